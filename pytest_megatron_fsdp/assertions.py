@@ -1,0 +1,95 @@
+"""Assertions a distributed test makes about a training run.
+
+Each one is collective: every rank calls it, every rank sees every rank's figures, and every rank
+raises the same message, which names the iteration, the rank and the value. (A check that only
+rank 0 could fail would leave rank 1 passing the same test.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .training import TrainResult
+
+
+def _all_gather(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def assert_last_loss_finite(result: TrainResult) -> None:
+    """The last iteration's loss is finite on every rank (each rank's own loss, before reduction)."""
+    per_rank = _all_gather(result.local_losses)
+    iteration = len(result.local_losses)
+    bad = [(rank, losses[-1]) for rank, losses in enumerate(per_rank) if not math.isfinite(losses[-1])]
+    if bad:
+        detail = ", ".join(f"rank {rank}: loss={value}" for rank, value in bad)
+        raise AssertionError(
+            f"last-iteration loss is not finite at iteration {iteration}: {detail} "
+            f"(all ranks' last losses: {[losses[-1] for losses in per_rank]})"
+        )
+
+
+def assert_loss_decreased(result: TrainResult, min_relative_drop: float = 0.02) -> None:
+    """The model learned: the last iteration's loss is below the first by ``min_relative_drop``.
+
+    Uses the data-parallel mean loss, identical on every rank. The margin keeps noise (a frozen
+    model's loss still moves a little from batch to batch) from passing as learning.
+    """
+    first, last = result.losses[0], result.losses[-1]
+    target = first * (1.0 - min_relative_drop)
+    if not (math.isfinite(last) and last <= target):
+        raise AssertionError(
+            f"the model did not learn: loss went {first:.4f} (iteration 1) -> {last:.4f} "
+            f"(iteration {len(result.losses)}); required <= {target:.4f} "
+            f"(a {min_relative_drop:.0%} drop). Loss per iteration: "
+            + ", ".join(f"{x:.4f}" for x in result.losses)
+        )
+
+
+def sharded_fraction(model: Any) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole model) over the model's DTensor state."""
+    from torch.distributed.tensor import DTensor
+
+    local = total = 0
+    for value in model.state_dict().values():
+        if isinstance(value, DTensor):
+            local += value.to_local().numel()
+            total += value.numel()
+    return local, total
+
+
+def assert_megatron_fsdp_sharded(model: Any, tolerance: float = 0.1) -> None:
+    """``model`` is Megatron-FSDP's wrapper and each rank holds ~1/world of it, no element twice.
+
+    Plain DDP fails this: it keeps whole tensors on every rank and no DTensors.
+    """
+    import torch.distributed as dist
+    from megatron.core.distributed import FullyShardedDataParallel
+
+    if not isinstance(model, FullyShardedDataParallel):
+        raise AssertionError(
+            f"model is {type(model).__module__}.{type(model).__name__}, not "
+            "megatron.core.distributed.FullyShardedDataParallel"
+        )
+    local, total = sharded_fraction(model)
+    per_rank = _all_gather(local)
+    world = dist.get_world_size()
+    if total == 0:
+        raise AssertionError("the Megatron-FSDP model's state_dict holds no DTensor shards")
+    if sum(per_rank) != total:
+        raise AssertionError(
+            f"shards do not partition the model: ranks hold {per_rank} elements, "
+            f"sum {sum(per_rank)} != {total} in the model"
+        )
+    for rank, count in enumerate(per_rank):
+        fraction = count / total
+        if abs(fraction - 1 / world) > tolerance / world:
+            raise AssertionError(
+                f"rank {rank} holds {count} of {total} elements ({fraction:.1%}); "
+                f"expected about {1 / world:.1%} with {world} ranks"
+            )

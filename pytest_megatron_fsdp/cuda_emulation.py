@@ -1,0 +1,300 @@
+"""CUDA-on-CPU emulation: lets the real Megatron-FSDP code run on CPU ranks over gloo.
+
+Megatron-FSDP is written for CUDA, but its logic is device-neutral once the CUDA entry points it
+touches get CPU meanings (FINDINGS §2). This module gives them those meanings and nothing more:
+
+* streams, events and ``synchronize`` become no-ops (CPU work is already ordered);
+* memory queries answer 0, ``current_device`` answers 0, ``set_device`` does nothing;
+* the "CUDA" RNG *is* the CPU generator, so Megatron's RNG tracker forks the generator that the
+  CPU kernels really draw from (dropout stays reproducible and rank-consistent);
+* ``DeviceMesh`` requests for ``cuda`` become ``cpu`` meshes;
+* a torch function mode rewrites ``device="cuda"`` / ``device=<int>`` arguments of tensor
+  factories and ``Tensor.to``/``Tensor.cuda`` to the CPU.
+
+It is applied only in CPU ranks (the plugin calls :func:`enable` when the platform is ``cpu``),
+must be applied before ``megatron`` is imported (megatron binds ``torch.cuda._lazy_call`` by name at
+import time), and is fully reversible with :func:`disable`. ``torch.cuda.is_available()`` keeps
+answering ``False``: code that asks honestly still learns there is no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.device_mesh as _device_mesh
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable", "disable", "is_enabled", "emulated", "PATCHED_CUDA_ATTRIBUTES"]
+
+
+class _NullStream:
+    """A stream on which all work is already complete: CPU ops run in program order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = torch.device("cpu")
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        event = event or _NullEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class _NullEvent:
+    """An event that is complete the moment it is recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Any) -> float:
+        return 0.0
+
+
+_DEFAULT_STREAM = _NullStream()
+
+
+@contextlib.contextmanager
+def _stream_context(stream: Any = None) -> Iterator[Any]:
+    yield stream
+
+
+@contextlib.contextmanager
+def _device_context(device: Any = None) -> Iterator[None]:
+    yield
+
+
+def _lazy_call(callable: Callable[[], Any], **kwargs: Any) -> None:
+    # The real one queues the call until CUDA initialises, which never happens on CPU ranks:
+    # Megatron's RNG set-up would silently do nothing. Run it now instead.
+    callable()
+
+
+def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
+def _manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, i.e. back into this.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _manual_seed_all(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _returning(value: Any, name: str) -> Callable[..., Any]:
+    # One function object per patched name: torch._dynamo keeps a rule per torch.cuda function and
+    # rejects one object registered under two names.
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return value
+
+    stand_in.__name__ = stand_in.__qualname__ = name
+    return stand_in
+
+
+def _cuda_attribute_replacements() -> dict[str, Any]:
+    return {
+        "current_device": _returning(0, "current_device"),
+        "device_count": _returning(1, "device_count"),
+        "set_device": _returning(None, "set_device"),
+        "synchronize": _returning(None, "synchronize"),
+        "empty_cache": _returning(None, "empty_cache"),
+        "memory_allocated": _returning(0, "memory_allocated"),
+        "max_memory_allocated": _returning(0, "max_memory_allocated"),
+        "memory_reserved": _returning(0, "memory_reserved"),
+        "max_memory_reserved": _returning(0, "max_memory_reserved"),
+        "reset_peak_memory_stats": _returning(None, "reset_peak_memory_stats"),
+        "reset_max_memory_allocated": _returning(None, "reset_max_memory_allocated"),
+        "Stream": _NullStream,
+        "Event": _NullEvent,
+        "current_stream": lambda device=None: _DEFAULT_STREAM,
+        "default_stream": lambda device=None: _DEFAULT_STREAM,
+        "stream": _stream_context,
+        "device": _device_context,
+        "get_rng_state": _get_rng_state,
+        "set_rng_state": _set_rng_state,
+        "manual_seed": _manual_seed,
+        "manual_seed_all": _manual_seed_all,
+        "default_generators": (torch.default_generator,),
+        "_lazy_call": _lazy_call,
+        "_lazy_init": _returning(None, "_lazy_init"),
+    }
+
+
+#: The ``torch.cuda`` attributes given CPU meanings (also patched in ``torch.cuda.random``).
+PATCHED_CUDA_ATTRIBUTES: tuple[str, ...] = tuple(_cuda_attribute_replacements())
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):  # torch reads a bare int as a CUDA ordinal
+        return True
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU for every torch call made under it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _from_group_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    def from_group(group: Any, device_type: str = "cpu", *args: Any, **kwargs: Any) -> Any:
+        if device_type == "cuda":
+            device_type = "cpu"
+        return original(group, device_type, *args, **kwargs)
+
+    return from_group
+
+
+def _init_device_mesh_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    def init_device_mesh(device_type: str, *args: Any, **kwargs: Any) -> Any:
+        if device_type == "cuda":
+            device_type = "cpu"
+        return original(device_type, *args, **kwargs)
+
+    return init_device_mesh
+
+
+class _Emulation:
+    """The applied patch set: remembers every original so :meth:`restore` undoes it exactly."""
+
+    _MISSING = object()
+
+    def __init__(self) -> None:
+        self._originals: list[tuple[Any, str, Any]] = []
+        self._mode: _CudaToCpuMode | None = None
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._originals.append((owner, name, owner.__dict__.get(name, self._MISSING)))
+        setattr(owner, name, value)
+
+    def apply(self) -> None:
+        import torch.cuda.random as cuda_random
+
+        for name, value in _cuda_attribute_replacements().items():
+            self._patch(torch.cuda, name, value)
+            if name in cuda_random.__dict__:
+                self._patch(cuda_random, name, value)
+        mesh_cls = _device_mesh.DeviceMesh
+        self._patch(mesh_cls, "from_group", staticmethod(_from_group_on_cpu(mesh_cls.from_group)))
+        self._patch(
+            _device_mesh,
+            "init_device_mesh",
+            _init_device_mesh_on_cpu(_device_mesh.init_device_mesh),
+        )
+        self._mode = _CudaToCpuMode()
+        self._mode.__enter__()
+
+    def restore(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for owner, name, original in reversed(self._originals):
+            if original is self._MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._originals.clear()
+
+
+_active: _Emulation | None = None
+
+
+class EmulationOrderError(RuntimeError):
+    """CPU emulation was requested after megatron had already bound the real CUDA entry points."""
+
+
+def enable() -> None:
+    """Give the CUDA entry points Megatron-FSDP uses CPU meanings. Idempotent.
+
+    Raises :class:`EmulationOrderError` if megatron's RNG module was imported first: it holds the real
+    ``_lazy_call`` by then, and its RNG set-up would silently do nothing.
+    """
+    global _active
+    if _active is not None:
+        return
+    if "megatron.core.tensor_parallel.random" in sys.modules:
+        raise EmulationOrderError(
+            "CUDA-on-CPU emulation must be enabled before megatron.core is imported; "
+            "something imported megatron first (import it inside the test, not at module level "
+            "of a conftest or plugin)."
+        )
+    emulation = _Emulation()
+    emulation.apply()
+    _active = emulation
+
+
+def disable() -> None:
+    """Undo :func:`enable` exactly; a no-op when emulation is not active."""
+    global _active
+    if _active is None:
+        return
+    _active.restore()
+    _active = None
+
+
+def is_enabled() -> bool:
+    return _active is not None
+
+
+@contextlib.contextmanager
+def emulated() -> Iterator[None]:
+    """Context manager form of :func:`enable` / :func:`disable`."""
+    enable()
+    try:
+        yield
+    finally:
+        disable()

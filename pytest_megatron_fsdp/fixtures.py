@@ -1,0 +1,100 @@
+"""Fixtures a distributed test uses. Importing this module imports neither torch nor megatron."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+from .config import RunConfig
+from .environment import DistEnv
+from .presets import DEFAULT_PRESET
+from .state import RUN_RECORDS, SESSION, RunRecord, distributed_marker
+
+if TYPE_CHECKING:
+    from .training import TrainingRun, TrainResult
+
+
+def _rank_session(request: pytest.FixtureRequest):
+    session = request.config.stash.get(SESSION, None)
+    if session is None:
+        pytest.fail(
+            "dist_env needs a running rank session: mark the test "
+            "@pytest.mark.distributed(world_size=N) and run it under "
+            "python -m torch.distributed.run --nproc_per_node=N -m pytest",
+            pytrace=False,
+        )
+    return session
+
+
+@pytest.fixture
+def dist_env(request: pytest.FixtureRequest) -> Iterator[DistEnv]:
+    """This rank's view of the process group; Megatron's model-parallel state is up for the test.
+
+    Sizes come from the marker (``tp=``, ``pp=``, ``cp=``); the state is destroyed afterwards and
+    every rank is seeded identically, so tests do not leak into each other.
+    """
+    session = _rank_session(request)
+    from . import training
+
+    marker = distributed_marker(request.node)
+    cfg = RunConfig()
+    cfg.model.tensor_model_parallel_size = marker.tp
+    cfg.model.pipeline_model_parallel_size = marker.pp
+    cfg.model.context_parallel_size = marker.cp
+    training.initialize_model_parallel(cfg)
+    try:
+        yield session.env
+    finally:
+        training.destroy_model_parallel()
+
+
+@pytest.fixture
+def run_config(request: pytest.FixtureRequest, dist_env: DistEnv) -> RunConfig:
+    """A fresh Bridge-shaped config with Megatron-FSDP on (the seed's minimal override).
+
+    The preset is ``--mfsdp-preset`` or the platform's default (tiny on CPU, the Bridge reference
+    model on GPUs); tp/pp/cp follow the test's marker.
+    """
+    from .config import enable_megatron_fsdp
+    from .options import resolve
+
+    marker = distributed_marker(request.node)
+    cfg = enable_megatron_fsdp(RunConfig())
+    cfg.model.preset = resolve(request.config, "preset") or DEFAULT_PRESET[dist_env.platform]
+    cfg.model.tensor_model_parallel_size = marker.tp
+    cfg.model.pipeline_model_parallel_size = marker.pp
+    cfg.model.context_parallel_size = marker.cp
+    return cfg
+
+
+@pytest.fixture
+def megatron_fsdp_run(
+    request: pytest.FixtureRequest, dist_env: DistEnv, run_config: RunConfig
+) -> Iterator[Callable[..., TrainingRun]]:
+    """Factory: ``megatron_fsdp_run(cfg=None)`` builds the GPT, Megatron-FSDP and its optimizer.
+
+    ``run.train(n)`` returns a :class:`TrainResult`; each result is recorded for the session summary.
+    """
+    from .training import TrainingRun
+
+    runs: list[TrainingRun] = []
+    records = request.config.stash.setdefault(RUN_RECORDS, [])
+
+    def build(cfg: RunConfig | None = None) -> TrainingRun:
+        run = TrainingRun(cfg or run_config, dist_env)
+        runs.append(run)
+
+        def record(result: TrainResult) -> None:
+            if dist_env.rank == 0:
+                records.append(RunRecord.from_result(request.node.nodeid, run, result))
+
+        run.on_result = record
+        return run
+
+    try:
+        yield build
+    finally:
+        for run in runs:
+            run.close()

@@ -1,0 +1,132 @@
+"""The plugin's options: one registry, one prefix, one precedence rule.
+
+Every option can be given as a command-line flag (``--mfsdp-<name>``), an environment variable
+(``MFSDP_<NAME>``) or an ini key (``mfsdp_<name>``); per-test ones also as a marker kwarg. Precedence,
+as in pytest-timeout: marker > command line > environment > ini > default. Values are checked
+here, at configure time, so a typo ends the session with one line before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from .presets import PRESETS
+
+PREFIX = "mfsdp"
+PLATFORMS = ("auto", "cpu", "cuda")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"choose one of: {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # e.g. "platform": --mfsdp-platform, MFSDP_PLATFORM, mfsdp_platform
+    help: str
+    parse: Callable[[str], Any]
+    default: Any = None
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return f"--{PREFIX}-{self.name}"
+
+    @property
+    def dest(self) -> str:
+        return f"{PREFIX}_{self.name.replace('-', '_')}"
+
+    @property
+    def env(self) -> str:
+        return self.dest.upper()
+
+    @property
+    def ini(self) -> str:
+        return self.dest
+
+
+OPTIONS: dict[str, Option] = {
+    o.name: o
+    for o in (
+        Option(
+            "platform",
+            "where ranks run: 'cuda' (NCCL, one GPU per rank), 'cpu' (gloo, CUDA-emulated CPU "
+            "ranks) or 'auto' (cuda when every local rank has a GPU, else cpu)",
+            _choice(PLATFORMS),
+            "auto",
+        ),
+        Option(
+            "preset",
+            f"model preset: {', '.join(sorted(PRESETS))} (default: tiny on cpu, bridge-reference on cuda)",
+            _choice(tuple(sorted(PRESETS))),
+        ),
+        Option(
+            "pg-timeout",
+            "seconds a collective may wait before the process group gives up (default 120)",
+            _positive_float,
+            120.0,
+            "SECONDS",
+        ),
+    )
+}
+
+
+class OptionError(pytest.UsageError):
+    pass
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("megatron-fsdp", "Megatron-FSDP distributed testing")
+    for option in OPTIONS.values():
+        group.addoption(option.flag, dest=option.dest, default=None, metavar=option.metavar, help=option.help)
+        parser.addini(option.ini, f"default for {option.flag} (env {option.env} wins over it)")
+
+
+def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:
+    """The option's value by precedence marker > CLI > env > ini > default, parsed and checked."""
+    option = OPTIONS[name]
+    if marker_value is not None:
+        return _parse(option, marker_value, "marker kwarg")
+    # Before pytest_configure only the early parse (known_args_namespace) holds the flags.
+    cli = getattr(config.option, option.dest, None)
+    if cli is None:
+        cli = getattr(config.known_args_namespace, option.dest, None)
+    for source, raw in (
+        (option.flag, cli),
+        (f"environment variable {option.env}", os.environ.get(option.env) or None),
+        (f"ini option {option.ini}", config.getini(option.ini) or None),
+    ):
+        if raw is not None:
+            return _parse(option, raw, source)
+    return option.default
+
+
+def _parse(option: Option, raw: Any, source: str) -> Any:
+    if not isinstance(raw, str):
+        raw = str(raw)
+    try:
+        return option.parse(raw.strip())
+    except ValueError as exc:
+        raise OptionError(f"{source}: invalid value {raw!r} for {option.flag}: {exc}") from None
+
+
+def check_all(config: pytest.Config) -> dict[str, Any]:
+    """Resolve every option once, so a bad value anywhere fails at configure time."""
+    return {name: resolve(config, name) for name in OPTIONS}

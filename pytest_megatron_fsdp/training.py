@@ -1,0 +1,306 @@
+"""Build a small GPT, wrap it with Megatron-FSDP the way Megatron-Bridge does, and train it.
+
+Imports torch and megatron at module level: the plugin loads this module only inside a rank that
+runs a distributed test (after the CPU emulation, when there is one, is in place).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    FullyShardedDataParallel,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+
+from .config import RunConfig, validate
+from .environment import DistEnv
+from .presets import ModelPreset
+
+
+@dataclass
+class TrainResult:
+    """Per-iteration figures of one training run (identical on every rank)."""
+
+    #: data-parallel mean of the iteration's loss
+    losses: list[float] = field(default_factory=list)
+    #: this rank's own loss per iteration (before the data-parallel reduction)
+    local_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def last_loss(self) -> float:
+        return self.losses[-1]
+
+
+def initialize_model_parallel(cfg: RunConfig) -> None:
+    """Megatron's model-parallel state and seeded RNGs, as every Megatron test sets them up."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
+        context_parallel_size=cfg.model.context_parallel_size,
+    )
+    seed_everything(cfg.train.seed)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # Megatron's tracker: distinct tensor-parallel streams, identical data-parallel ones.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    parallel_state.destroy_model_parallel()
+
+
+def transformer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> TransformerConfig:
+    fields: dict[str, Any] = dict(
+        num_layers=preset.num_layers,
+        hidden_size=preset.hidden_size,
+        ffn_hidden_size=preset.ffn_hidden_size,
+        num_attention_heads=preset.num_attention_heads,
+        num_query_groups=preset.num_query_groups,
+        normalization=preset.normalization,
+        add_bias_linear=preset.add_bias_linear,
+        gated_linear_unit=preset.swiglu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
+        context_parallel_size=cfg.model.context_parallel_size,
+        bf16=preset.bf16,
+        params_dtype=torch.bfloat16 if preset.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if preset.bf16 else torch.float32,
+        # CPU ranks have no device to initialise on; GPUs initialise in place.
+        use_cpu_initialization=env.platform == "cpu",
+        sequence_parallel=False,
+    )
+    if preset.swiglu:
+        fields["activation_func"] = torch.nn.functional.silu
+    fields.update(preset.transformer_overrides)
+    return TransformerConfig(**fields)
+
+
+def ddp_config(cfg: RunConfig, env: DistEnv) -> DistributedDataParallelConfig:
+    d = cfg.ddp
+    fields: dict[str, Any] = dict(
+        use_megatron_fsdp=d.use_megatron_fsdp,
+        data_parallel_sharding_strategy=d.data_parallel_sharding_strategy,
+        # Megatron-FSDP forces both (Megatron's arguments.py); validate() says so when it applies.
+        average_in_collective=d.average_in_collective and not d.use_megatron_fsdp,
+        use_distributed_optimizer=d.use_distributed_optimizer or d.use_megatron_fsdp,
+        overlap_grad_reduce=d.overlap_grad_reduce,
+        overlap_param_gather=d.overlap_param_gather,
+        grad_reduce_in_fp32=d.grad_reduce_in_fp32,
+        check_for_nan_in_grad=d.check_for_nan_in_grad,
+        keep_fp8_transpose_cache=d.keep_fp8_transpose_cache,
+    )
+    if env.platform == "cpu":
+        # gloo has no ReduceOp.PREMUL_SUM, which the fused divide uses.
+        fields["gradient_reduce_div_fusion"] = False
+    fields.update(d.extra)
+    return DistributedDataParallelConfig(**fields)
+
+
+def optimizer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> OptimizerConfig:
+    o = cfg.optimizer
+    clip_grad = o.clip_grad
+    if env.platform == "cpu":
+        # clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor'; the
+        # grad norm itself is still computed and reported on CPU ranks.
+        clip_grad = 0.0
+    return OptimizerConfig(
+        optimizer=o.optimizer,
+        lr=preset.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=clip_grad,
+        bf16=preset.bf16,
+        params_dtype=torch.bfloat16 if preset.bf16 else torch.float32,
+        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer or cfg.ddp.use_megatron_fsdp,
+    )
+
+
+def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
+    config = transformer_config(cfg, preset, env)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=preset.normalization),
+        vocab_size=preset.padded_vocab_size,
+        max_sequence_length=preset.seq_length,
+        share_embeddings_and_output_weights=not preset.untie_embeddings_and_output_weights,
+        position_embedding_type=preset.position_embedding_type,
+        rotary_base=preset.rotary_base,
+    )
+    if env.platform == "cuda":
+        model.cuda(env.device)
+    if preset.bf16:
+        # Megatron training wraps half-precision models before the data-parallel wrapper.
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model
+
+
+def wrap_data_parallel(cfg: RunConfig, model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
+    """Bridge's ``_ddp_wrap``: the data-parallel wrapper the config asks for."""
+    config = model.config
+    ddp_cfg = ddp_config(cfg, env)
+    if cfg.dist.use_megatron_fsdp:
+        return FullyShardedDataParallel(
+            config=config, ddp_config=ddp_cfg, module=model, device=torch.device(env.device)
+        )
+    return DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
+
+
+def learnable_batch(
+    preset: ModelPreset, micro_batch_size: int, generator: torch.Generator, device: str
+) -> dict[str, torch.Tensor]:
+    """Counting sequences from random offsets: next-token prediction a small GPT learns in steps."""
+    seq = preset.seq_length
+    offsets = torch.randint(0, preset.vocab_size, (micro_batch_size, 1), generator=generator)
+    tokens = (offsets + torch.arange(seq + 1)) % preset.vocab_size
+    return {
+        "tokens": tokens[:, :-1].contiguous().to(device),
+        "labels": tokens[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(micro_batch_size, seq, device=device),
+        "position_ids": torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, -1),
+    }
+
+
+class TrainingRun:
+    """A Megatron-FSDP model, its DistributedOptimizer and a data stream, ready to train."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+        self.warnings = validate(cfg, env.world_size)
+        self.cfg = cfg
+        self.env = env
+        self.preset = cfg.resolved_preset()
+        initialize_model_parallel(cfg)
+        self.model = wrap_data_parallel(cfg, build_gpt(cfg, self.preset, env), env)
+        self.optimizer = get_megatron_optimizer(optimizer_config(cfg, self.preset, env), [self.model])
+        config = self.model.config
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.iteration = 0
+        #: called with every TrainResult that train() returns (the plugin records it)
+        self.on_result: Callable[[TrainResult], None] | None = None
+        # Each data-parallel rank draws its own samples, reproducibly.
+        self._generator = torch.Generator().manual_seed(
+            cfg.train.seed * 1000 + parallel_state.get_data_parallel_rank()
+        )
+
+    def _data(self, count: int) -> Iterator[dict[str, torch.Tensor]]:
+        for _ in range(count):
+            yield learnable_batch(self.preset, self.preset.micro_batch_size, self._generator, self.env.device)
+
+    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss_mask = batch["loss_mask"]
+
+        def loss_func(output_tensor: torch.Tensor):
+            loss = (output_tensor.float().view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    def _forward_backward(self, forward_only: bool) -> float:
+        n = self.cfg.train.num_microbatches
+        outputs = get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=self._data(n),
+            model=[self.model],
+            num_microbatches=n,
+            seq_length=self.preset.seq_length,
+            micro_batch_size=self.preset.micro_batch_size,
+            forward_only=forward_only,
+        )
+        return sum(float(o["lm loss"]) for o in outputs) / n
+
+    def _optimizer_step(self) -> float:
+        if self.env.platform == "cuda":
+            _, grad_norm, _ = self.optimizer.step()
+            return float("nan") if grad_norm is None else float(grad_norm)
+        # CPU ranks run without clipping (see optimizer_config); step() then reports no norm, so
+        # run its phases here and measure the norm in between, as step() does before clipping.
+        with torch.no_grad():
+            if self.optimizer.prepare_grads():  # found inf/nan: step skipped, as step() does
+                return float("nan")
+            grad_norm = self.optimizer.get_grad_norm()
+            self.optimizer.step_with_ready_grads()
+        return float(grad_norm)
+
+    def _data_parallel_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.env.device)
+        group = parallel_state.get_data_parallel_group()
+        dist.all_reduce(t, group=group)
+        return float(t.item()) / dist.get_world_size(group)
+
+    def train(self, iterations: int | None = None) -> TrainResult:
+        """Train ``iterations`` steps (default: ``train.train_iters``); returns per-step figures."""
+        result = TrainResult()
+        for _ in range(iterations or self.cfg.train.train_iters):
+            start = time.perf_counter()
+            self.model.train()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            local = self._forward_backward(forward_only=False)
+            grad_norm = self._optimizer_step()
+            if self.env.platform == "cuda":
+                torch.cuda.synchronize()
+            result.step_times_s.append(time.perf_counter() - start)
+            result.local_losses.append(local)
+            result.losses.append(self._data_parallel_mean(local))
+            result.grad_norms.append(grad_norm)
+            self.iteration += 1
+            if self.env.rank == 0:
+                # Megatron's log line; shown with -s, kept in the captured output otherwise.
+                print(
+                    f" iteration {self.iteration:>4} | lm loss {result.losses[-1]:.6E} | "
+                    f"grad norm {grad_norm:.3f} | {1000 * result.step_times_s[-1]:.1f} ms/step",
+                    flush=True,
+                )
+        if self.on_result is not None:
+            self.on_result(result)
+        return result
+
+    def forward_loss(self) -> float:
+        """Forward-only loss on the next batch, data-parallel mean."""
+        self.model.eval()
+        with torch.no_grad():
+            local = self._forward_backward(forward_only=True)
+        return self._data_parallel_mean(local)
+
+    def close(self) -> None:
+        destroy_model_parallel()
+
+
+def is_finite(value: float) -> bool:
+    return math.isfinite(value)

@@ -1,0 +1,62 @@
+"""The smoke test's checks can fail: each is driven into its failure and the message checked.
+
+Distributed (2 ranks): every rank must raise the same message, naming the iteration and rank.
+"""
+
+import math
+
+import pytest
+
+from pytest_megatron_fsdp import (
+    TrainResult,
+    assert_last_loss_finite,
+    assert_loss_decreased,
+    assert_megatron_fsdp_sharded,
+)
+
+pytestmark = pytest.mark.distributed(world_size=2)
+
+
+def test_absurd_learning_rate_fails_the_finite_loss_check(megatron_fsdp_run, run_config):
+    run_config.optimizer.lr = 1e30
+    # Megatron's own NaN-in-grad check would raise first; this test is about the loss check.
+    run_config.ddp.check_for_nan_in_grad = False
+    result = megatron_fsdp_run(run_config).train(4)
+    assert not math.isfinite(result.local_losses[-1])
+    with pytest.raises(AssertionError) as failure:
+        assert_last_loss_finite(result)
+    message = str(failure.value)
+    assert "iteration 4" in message
+    assert "rank 0: loss=nan" in message and "rank 1: loss=nan" in message
+
+
+def test_finite_loss_check_names_the_one_bad_rank(dist_env):
+    losses = [4.8, 4.5, 4.2]
+    local = losses[:-1] + [float("nan") if dist_env.rank == 1 else 4.2]
+    result = TrainResult(losses=losses, local_losses=local)
+    with pytest.raises(AssertionError, match=r"at iteration 3: rank 1: loss=nan \(") as failure:
+        assert_last_loss_finite(result)
+    assert "rank 0:" not in str(failure.value)  # rank 0's loss was fine and is not blamed
+
+
+def test_frozen_model_fails_the_learned_check(megatron_fsdp_run, run_config):
+    run_config.optimizer.lr = 0.0
+    result = megatron_fsdp_run(run_config).train(10)
+    assert all(math.isfinite(x) for x in result.losses)
+    with pytest.raises(AssertionError, match=r"did not learn: loss went .* \(iteration 10\)"):
+        assert_loss_decreased(result)
+
+
+def test_plain_ddp_fails_the_sharding_check(megatron_fsdp_run, run_config):
+    run_config.dist.use_megatron_fsdp = False
+    run_config.ddp.use_megatron_fsdp = False
+    # On CPU ranks the DDP + distributed-optimizer path fails a CUDA type check (FINDINGS §2).
+    run_config.ddp.use_distributed_optimizer = False
+    run = megatron_fsdp_run(run_config)
+    result = run.train(3)
+    assert_last_loss_finite(result)  # it trains fine: only the sharding check tells it apart
+    with pytest.raises(
+        AssertionError,
+        match="DistributedDataParallel, not megatron.core.distributed.FullyShardedDataParallel",
+    ):
+        assert_megatron_fsdp_sharded(run.model)

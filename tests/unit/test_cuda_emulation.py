@@ -1,0 +1,188 @@
+"""The CUDA-on-CPU emulation: each patched entry point behaves, and everything is undone."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pytest_megatron_fsdp import cuda_emulation
+
+
+@pytest.fixture
+def emulation():
+    assert not cuda_emulation.is_enabled()
+    cuda_emulation.enable()
+    try:
+        yield
+    finally:
+        cuda_emulation.disable()
+
+
+def _snapshot():
+    import torch.cuda.random
+    import torch.distributed.device_mesh as dm
+
+    return {
+        **{f"cuda.{n}": torch.cuda.__dict__.get(n) for n in cuda_emulation.PATCHED_CUDA_ATTRIBUTES},
+        **{
+            f"random.{n}": torch.cuda.random.__dict__.get(n)
+            for n in ("get_rng_state", "set_rng_state", "manual_seed")
+        },
+        "from_group": dm.DeviceMesh.__dict__["from_group"],
+        "init_device_mesh": dm.init_device_mesh,
+    }
+
+
+def test_disable_restores_every_original_object():
+    before = _snapshot()
+    cuda_emulation.enable()
+    during = _snapshot()
+    cuda_emulation.disable()
+    after = _snapshot()
+    changed = [k for k in before if before[k] is not during[k]]
+    # Every attribute in the registry really was replaced while enabled ...
+    assert len(changed) >= len(cuda_emulation.PATCHED_CUDA_ATTRIBUTES)
+    # ... and each one is the very same object again afterwards.
+    assert all(before[k] is after[k] for k in before), [k for k in before if before[k] is not after[k]]
+    assert not cuda_emulation.is_enabled()
+
+
+def test_enable_and_disable_are_idempotent():
+    before = _snapshot()
+    cuda_emulation.enable()
+    cuda_emulation.enable()
+    cuda_emulation.disable()
+    cuda_emulation.disable()
+    assert _snapshot() == before
+
+
+def test_is_available_still_tells_the_truth(emulation):
+    # Code that honestly asks whether a GPU exists must still learn there is none.
+    assert torch.cuda.is_available() is False
+
+
+def test_device_queries_answer_like_one_idle_device(emulation):
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.device_count() == 1
+    assert torch.cuda.set_device(0) is None
+    assert torch.cuda.synchronize() is None
+    assert torch.cuda.empty_cache() is None
+    assert torch.cuda.memory_allocated() == 0
+    assert torch.cuda.max_memory_allocated() == 0
+
+
+def test_streams_and_events_are_complete_no_ops(emulation):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    event.wait(stream)
+    assert event.query() and stream.query()
+    with torch.cuda.stream(stream) as entered:
+        assert entered is stream
+        x = torch.ones(3) * 2  # work inside the context runs, in order, on the CPU
+    assert x.tolist() == [2.0, 2.0, 2.0]
+    assert torch.cuda.current_stream() is torch.cuda.default_stream()
+
+
+def test_cuda_rng_is_the_cpu_generator(emulation):
+    torch.cuda.manual_seed(7)
+    state = torch.cuda.get_rng_state()
+    assert torch.equal(state, torch.get_rng_state())
+    first = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(4), first)  # restoring the "CUDA" state replays the CPU stream
+    assert torch.cuda.default_generators[0] is torch.default_generator
+    torch.cuda.random.manual_seed(7)
+    assert torch.equal(torch.rand(4), first)
+
+
+def test_lazy_call_runs_at_once(emulation):
+    calls = []
+    torch.cuda._lazy_call(lambda: calls.append(1))
+    assert calls == [1]  # the real one queues until CUDA initialises, i.e. never on CPU
+
+
+def test_torch_manual_seed_does_not_recurse(emulation):
+    torch.manual_seed(3)  # calls torch.cuda.manual_seed_all, which now seeds the CPU generator
+    a = torch.rand(2)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(2), a)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(2, device="cuda"),
+        lambda: torch.empty(2, device="cuda:0"),
+        lambda: torch.ones(2, device=torch.device("cuda", 0)),
+        lambda: torch.arange(3, device=0),  # torch reads a bare int as a CUDA ordinal
+        lambda: torch.ones(2).cuda(),
+        lambda: torch.ones(2).to("cuda"),
+        lambda: torch.ones(2).to(device="cuda"),
+        lambda: torch.ones(2).to(torch.device("cuda")),
+        lambda: torch.tensor([1.0], device="cuda"),
+    ],
+)
+def test_cuda_tensor_requests_land_on_cpu(emulation, make):
+    assert make().device.type == "cpu"
+
+
+def test_cpu_and_dtype_arguments_pass_through(emulation):
+    t = torch.ones(2).to(torch.float64)
+    assert t.dtype == torch.float64 and t.device.type == "cpu"
+    assert torch.zeros(1, device="cpu").device.type == "cpu"
+
+
+def test_without_emulation_cuda_requests_still_fail():
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_device_mesh_for_cuda_becomes_cpu(emulation):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert DeviceMesh.from_group(dist.group.WORLD, "cuda").device_type == "cpu"
+        assert init_device_mesh("cuda", (1,)).device_type == "cpu"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_enable_after_megatron_import_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core.tensor_parallel.random", object())
+    with pytest.raises(cuda_emulation.EmulationOrderError, match="before megatron"):
+        cuda_emulation.enable()
+    assert not cuda_emulation.is_enabled()
+
+
+def test_nothing_is_patched_in_a_process_that_did_not_ask(tmp_path):
+    # A plain pytest session with the plugin loaded (not a torchrun rank, no CPU mode requested).
+    code = (
+        "import torch, pytest, sys\n"
+        "orig = torch.cuda.current_device, torch.cuda._lazy_call, torch.cuda.Stream\n"
+        "rc = pytest.main(['-q', '-p', 'no:cacheprovider', sys.argv[1]])\n"
+        "from pytest_megatron_fsdp import cuda_emulation\n"
+        "assert not cuda_emulation.is_enabled()\n"
+        "assert (torch.cuda.current_device, torch.cuda._lazy_call, torch.cuda.Stream) == orig\n"
+        "from torch.overrides import _get_current_function_mode_stack\n"
+        "assert not _get_current_function_mode_stack()\n"
+        "print('UNPATCHED', rc)\n"
+    )
+    test_file = tmp_path / "test_x.py"
+    test_file.write_text(
+        "import torch\ndef test_x():\n    assert torch.cuda.current_device.__module__ == 'torch.cuda'\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(test_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert "UNPATCHED 0" in out.stdout, out.stdout + out.stderr
