@@ -28,10 +28,11 @@ venv: $(VENV)/.installed
 smoke: venv
 	$(TORCHRUN) -m pytest tests/functional -v $(PYTEST_ARGS)
 
-# Everything the repo tests: plugin/unit tests, then the distributed suites on 2 ranks.
+# Everything the repo tests, as plain pytest (the plugin launches the 2-rank sets itself), then the
+# functional suite once more under torchrun, the way GPU runners launch it.
 test: venv
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
-	$(TORCHRUN) -m pytest tests/functional tests/selftest $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(TORCHRUN) -m pytest tests/functional $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -19,7 +19,7 @@ _LAZY = {
     "assert_loss_decreased": "assertions",
     "assert_megatron_fsdp_sharded": "assertions",
     "TrainingRun": "training",
-    "TrainResult": "training",
+    "TrainResult": "results",
 }
 
 __all__ = [

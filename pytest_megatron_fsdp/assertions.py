@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .training import TrainResult
+from .results import TrainResult
 
 
 def _all_gather(value: Any) -> list[Any]:

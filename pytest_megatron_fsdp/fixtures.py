@@ -29,13 +29,18 @@ def _rank_session(request: pytest.FixtureRequest):
 
 
 @pytest.fixture
-def dist_env(request: pytest.FixtureRequest) -> Iterator[DistEnv]:
-    """This rank's view of the process group; Megatron's model-parallel state is up for the test.
+def dist_env(request: pytest.FixtureRequest) -> DistEnv:
+    """This rank's view of the running process group (torch.distributed only, no megatron)."""
+    return _rank_session(request).env
 
-    Sizes come from the marker (``tp=``, ``pp=``, ``cp=``); the state is destroyed afterwards and
-    every rank is seeded identically, so tests do not leak into each other.
+
+@pytest.fixture
+def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterator[DistEnv]:
+    """Megatron's model-parallel state, up for the test and destroyed after it.
+
+    Sizes come from the marker (``tp=``, ``pp=``, ``cp=``); every rank is seeded identically
+    (``model_parallel_cuda_manual_seed`` included), so tests do not leak into each other.
     """
-    session = _rank_session(request)
     from . import training
 
     marker = distributed_marker(request.node)
@@ -45,13 +50,13 @@ def dist_env(request: pytest.FixtureRequest) -> Iterator[DistEnv]:
     cfg.model.context_parallel_size = marker.cp
     training.initialize_model_parallel(cfg)
     try:
-        yield session.env
+        yield dist_env
     finally:
         training.destroy_model_parallel()
 
 
 @pytest.fixture
-def run_config(request: pytest.FixtureRequest, dist_env: DistEnv) -> RunConfig:
+def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> RunConfig:
     """A fresh Bridge-shaped config with Megatron-FSDP on (the seed's minimal override).
 
     The preset is ``--mfsdp-preset`` or the platform's default (tiny on CPU, the Bridge reference
@@ -62,7 +67,7 @@ def run_config(request: pytest.FixtureRequest, dist_env: DistEnv) -> RunConfig:
 
     marker = distributed_marker(request.node)
     cfg = enable_megatron_fsdp(RunConfig())
-    cfg.model.preset = resolve(request.config, "preset") or DEFAULT_PRESET[dist_env.platform]
+    cfg.model.preset = resolve(request.config, "preset") or DEFAULT_PRESET[megatron_parallel.platform]
     cfg.model.tensor_model_parallel_size = marker.tp
     cfg.model.pipeline_model_parallel_size = marker.pp
     cfg.model.context_parallel_size = marker.cp
@@ -71,7 +76,7 @@ def run_config(request: pytest.FixtureRequest, dist_env: DistEnv) -> RunConfig:
 
 @pytest.fixture
 def megatron_fsdp_run(
-    request: pytest.FixtureRequest, dist_env: DistEnv, run_config: RunConfig
+    request: pytest.FixtureRequest, megatron_parallel: DistEnv, run_config: RunConfig
 ) -> Iterator[Callable[..., TrainingRun]]:
     """Factory: ``megatron_fsdp_run(cfg=None)`` builds the GPT, Megatron-FSDP and its optimizer.
 
@@ -83,11 +88,11 @@ def megatron_fsdp_run(
     records = request.config.stash.setdefault(RUN_RECORDS, [])
 
     def build(cfg: RunConfig | None = None) -> TrainingRun:
-        run = TrainingRun(cfg or run_config, dist_env)
+        run = TrainingRun(cfg or run_config, megatron_parallel)
         runs.append(run)
 
         def record(result: TrainResult) -> None:
-            if dist_env.rank == 0:
+            if megatron_parallel.rank == 0:
                 records.append(RunRecord.from_result(request.node.nodeid, run, result))
 
         run.on_result = record

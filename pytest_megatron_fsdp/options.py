@@ -8,6 +8,7 @@ here, at configure time, so a typo ends the session with one line before any ran
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,12 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise ValueError("must be a positive number of seconds")
     return value
+
+
+def _existing_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise ValueError("no such directory (it must exist, and on multi-node runs be shared by all nodes)")
+    return text
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -78,6 +85,29 @@ OPTIONS: dict[str, Option] = {
             _choice(tuple(sorted(PRESETS))),
         ),
         Option(
+            "timeout",
+            "seconds one distributed test may take before its ranks' stacks are dumped and the rank set "
+            "is killed (default 300; the marker's timeout= wins over it)",
+            _positive_float,
+            300.0,
+            "SECONDS",
+        ),
+        Option(
+            "log-dir",
+            "directory for the per-rank log files (default: .pytest_cache/d/mfsdp-logs, else a temp dir)",
+            str,
+            None,
+            "DIR",
+        ),
+        Option(
+            "shared-dir",
+            "existing directory that every rank (on every node) sees; the session makes a private "
+            "subdirectory in it (default: a private temp dir made by rank 0, fine on one node)",
+            _existing_dir,
+            None,
+            "DIR",
+        ),
+        Option(
             "pg-timeout",
             "seconds a collective may wait before the process group gives up (default 120)",
             _positive_float,
@@ -97,6 +127,9 @@ def add_options(parser: pytest.Parser) -> None:
     for option in OPTIONS.values():
         group.addoption(option.flag, dest=option.dest, default=None, metavar=option.metavar, help=option.help)
         parser.addini(option.ini, f"default for {option.flag} (env {option.env} wins over it)")
+    # Internal: how a rank set launched by the plugin (plain-pytest mode) talks to its parent.
+    group.addoption("--mfsdp-report-file", dest="mfsdp_report_file", default=None, help=argparse.SUPPRESS)
+    group.addoption("--mfsdp-batch-file", dest="mfsdp_batch_file", default=None, help=argparse.SUPPRESS)
 
 
 def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:

@@ -1,18 +1,30 @@
-"""pytest entry point (``pytest11``): options, the ``distributed`` marker, session control.
+"""pytest entry point (``pytest11``): options, the ``distributed`` marker, and the choice of side.
 
-Kept light on purpose: loading the plugin imports neither torch nor megatron. They load inside a
-rank, when a collected test actually needs the process group.
+* Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is a rank: :mod:`.rank` runs its tests
+  with the other ranks, :mod:`.session` holds the process group.
+* Otherwise it is a plain pytest session: :mod:`.controller` runs each distributed test in a rank
+  set it launches through torchrun (:mod:`.launcher`), and reports it here like any other test.
+
+Kept light on purpose: loading the plugin imports neither torch nor megatron. They load only
+where a collected test needs them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from . import options
-from .fixtures import dist_env, megatron_fsdp_run, run_config  # noqa: F401  (fixtures)
+from .controller import Controller, log_dir, plan_platforms, remember_items
+from .fixtures import dist_env, megatron_fsdp_run, megatron_parallel, run_config  # noqa: F401  (fixtures)
 from .platform import select_platform
+from .rank import RankPlugin
 from .session import RankSession, TorchrunEnv
 from .state import MARKER, OPTIONS, PLATFORM, RUN_RECORDS, SESSION, distributed_marker
+
+_RANK_PLUGIN = "mfsdp-rank"
+_CONTROLLER = "mfsdp-controller"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,14 +46,33 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     early_config.stash[PLATFORM] = choice
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    torchrun = TorchrunEnv.from_environ()
+    report_file = config.getoption("mfsdp_report_file")
+    if torchrun is not None and report_file is not None:
+        # A rank of a set this plugin launched: its own pytest temp dir inside the batch's working
+        # dir (two ranks must not share one basetemp; the parent removes the batch dir). Set before
+        # pytest_configure, where pytest reads it.
+        config.option.basetemp = str(Path(report_file).parent / f"tmp-rank{torchrun.rank}")
+
+
+@pytest.hookimpl(trylast=True)  # after the terminal reporter and the cache exist
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{MARKER}(world_size=2, tp=1, pp=1, cp=1, timeout=None): run the test on world_size ranks "
-        "(torchrun); tp/pp/cp are Megatron's model-parallel sizes for the test",
+        "(torchrun); tp/pp/cp are Megatron's model-parallel sizes for the test; timeout in seconds",
     )
     config.stash[OPTIONS] = options.check_all(config)
     config.stash[SESSION] = None
+    torchrun = TorchrunEnv.from_environ()
+    if torchrun is not None:
+        config.pluginmanager.register(
+            RankPlugin(config, torchrun, lambda: log_dir(config, "torchrun")), _RANK_PLUGIN
+        )
+    else:
+        config.pluginmanager.register(Controller(config), _CONTROLLER)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -50,14 +81,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker(MARKER) is None:
             continue
         marker = distributed_marker(item)  # a bad marker is a usage error, before any rank work
-        if torchrun is None:
-            item.add_marker(
-                pytest.mark.skip(
-                    reason=f"needs {marker.world_size} ranks: run under "
-                    f"python -m torch.distributed.run --nproc_per_node={marker.world_size} -m pytest"
-                )
-            )
-        elif torchrun.world_size != marker.world_size:
+        if torchrun is not None and torchrun.world_size != marker.world_size:
             item.add_marker(
                 pytest.mark.skip(
                     reason=f"needs world_size={marker.world_size}; this torchrun session has "
@@ -73,27 +97,61 @@ def _needs_rank_session(session: pytest.Session) -> bool:
     )
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     torchrun = TorchrunEnv.from_environ()
-    if torchrun is None or config.option.collectonly or not _needs_rank_session(session):
+    if torchrun is None:
+        _plan_plain_session(session)
+        return
+    if config.option.collectonly or not _needs_rank_session(session):
         return
     opts = config.stash[OPTIONS]
-    rank_session = RankSession.start(torchrun, config.stash[PLATFORM], pg_timeout_s=opts["pg-timeout"])
+    shared_root = opts["shared-dir"]
+    report_file = config.getoption("mfsdp_report_file")
+    if shared_root is None and report_file is not None:
+        # Inside the batch's working dir, which the parent removes even if this rank set is killed.
+        shared_root = str(Path(report_file).parent)
+    rank_session = RankSession.start(
+        torchrun, config.stash[PLATFORM], pg_timeout_s=opts["pg-timeout"], shared_root=shared_root
+    )
     config.stash[SESSION] = rank_session
+    config.pluginmanager.get_plugin(_RANK_PLUGIN).check_same_collection(session, rank_session)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and torchrun.rank == 0:
         reporter.write_line(rank_session.header())
 
 
+def _plan_plain_session(session: pytest.Session) -> None:
+    config = session.config
+    remember_items(config, session.items)
+    distributed = [i for i in session.items if i.get_closest_marker(MARKER) is not None]
+    if not distributed or config.option.collectonly:
+        return
+    controller = config.pluginmanager.get_plugin(_CONTROLLER)
+    lines = plan_platforms(config, controller, distributed)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(
+            "megatron-fsdp: distributed tests run in rank sets launched with torchrun; " + "; ".join(lines)
+        )
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    rank_session = session.config.stash.get(SESSION, None)
+    config = session.config
+    rank_session = config.stash.get(SESSION, None)
     if rank_session is not None:
-        session.config.stash[SESSION] = None
+        config.stash[SESSION] = None
         rank_session.close()
+    controller = config.pluginmanager.get_plugin(_CONTROLLER)
+    if controller is not None:
+        controller.close_all()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    controller = config.pluginmanager.get_plugin(_CONTROLLER)
+    if controller is not None:
+        controller.close_all()  # also after an interrupted session: no rank set outlives pytest
     if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
         from . import cuda_emulation
 

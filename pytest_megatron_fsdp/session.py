@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import versions
 from .environment import DistEnv
@@ -42,13 +43,33 @@ class TorchrunEnv:
         )
 
 
+def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
+    """The c10d store torchrun's env:// rendezvous would use, kept so the harness can use it too.
+
+    Under torchrun the agent hosts it (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does.
+    """
+    import torch.distributed as dist
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(
+        host_name=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        port=int(os.environ["MASTER_PORT"]),
+        world_size=torchrun.world_size,
+        is_master=torchrun.rank == 0 and not agent_store,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+
+
 class RankSession:
     """This rank's part of the distributed session."""
 
-    def __init__(self, env: DistEnv, choice: PlatformChoice, owns_shared_dir: bool) -> None:
+    def __init__(self, env: DistEnv, choice: PlatformChoice, owns_shared_dir: bool, store: Any) -> None:
         self.env = env
         self.choice = choice
         self._owns_shared_dir = owns_shared_dir
+        #: the rendezvous store, for the harness's own bounded-wait agreements (not collectives)
+        self.store = store
 
     @classmethod
     def start(
@@ -56,12 +77,14 @@ class RankSession:
         torchrun: TorchrunEnv,
         choice: PlatformChoice,
         pg_timeout_s: float,
-        shared_dir: str | None = None,
+        shared_root: str | None = None,
     ) -> RankSession:
         """Bring up the process group on ``choice``'s platform (CPU emulation already enabled)."""
         import torch
         import torch.distributed as dist
 
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = _connect_store(torchrun, timeout)
         kwargs = {}
         if choice.platform == "cuda":
             torch.cuda.set_device(torchrun.local_rank)
@@ -71,16 +94,20 @@ class RankSession:
             device = "cpu"
         dist.init_process_group(
             backend=choice.backend,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
+            store=dist.PrefixStore("default_pg", store),
+            rank=torchrun.rank,
+            world_size=torchrun.world_size,
+            timeout=timeout,
             **kwargs,
         )
-        owns = False
-        if shared_dir is None:
-            # Rank 0 makes a private (0700) directory and tells the others where it is.
-            path = [tempfile.mkdtemp(prefix="mfsdp-session-") if torchrun.rank == 0 else None]
-            owns = torchrun.rank == 0
-            dist.broadcast_object_list(path, src=0)
-            shared_dir = path[0]
+        harness_store = dist.PrefixStore("mfsdp", store)
+        # Rank 0 makes a private (0700) directory under `shared_root` (every node must see it on
+        # multi-node runs; the system temp dir on one node) and tells the others through the store.
+        if torchrun.rank == 0:
+            shared_dir = tempfile.mkdtemp(prefix="mfsdp-session-", dir=shared_root)
+            harness_store.set("shared_dir", shared_dir)
+        else:
+            shared_dir = harness_store.get("shared_dir").decode()
         env = DistEnv(
             rank=torchrun.rank,
             world_size=torchrun.world_size,
@@ -90,7 +117,7 @@ class RankSession:
             platform=choice.platform,
             shared_dir=Path(shared_dir),
         )
-        return cls(env, choice, owns)
+        return cls(env, choice, torchrun.rank == 0, harness_store)
 
     def header(self) -> str:
         return (
@@ -101,12 +128,17 @@ class RankSession:
         )
 
     def close(self) -> None:
+        """Leave together (bounded: a dead rank is not waited for), then tear down."""
         import torch.distributed as dist
 
+        rank, world = self.env.rank, self.env.world_size
+        try:
+            self.store.set(f"closing/{rank}", "1")
+            # nobody removes the shared dir while another rank may still use it
+            self.store.wait([f"closing/{r}" for r in range(world)], datetime.timedelta(seconds=30))
+        except Exception:  # noqa: BLE001 - a rank that is gone has nothing left to wait for
+            pass
         if dist.is_initialized():
-            try:
-                dist.barrier()  # nobody removes the shared dir while another rank still uses it
-            finally:
-                dist.destroy_process_group()
+            dist.destroy_process_group()
         if self._owns_shared_dir:
             shutil.rmtree(self.env.shared_dir, ignore_errors=True)

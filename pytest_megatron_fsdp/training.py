@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,22 +29,7 @@ from megatron.core.transformer import TransformerConfig
 from .config import RunConfig, validate
 from .environment import DistEnv
 from .presets import ModelPreset
-
-
-@dataclass
-class TrainResult:
-    """Per-iteration figures of one training run (identical on every rank)."""
-
-    #: data-parallel mean of the iteration's loss
-    losses: list[float] = field(default_factory=list)
-    #: this rank's own loss per iteration (before the data-parallel reduction)
-    local_losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-
-    @property
-    def last_loss(self) -> float:
-        return self.losses[-1]
+from .results import TrainResult
 
 
 def initialize_model_parallel(cfg: RunConfig) -> None:

@@ -31,6 +31,8 @@ def as_torchrun_rank(monkeypatch, world_size=2, rank=0):
 def test_loading_the_plugin_imports_neither_torch_nor_megatron():
     code = (
         "import sys, pytest_megatron_fsdp.plugin, pytest_megatron_fsdp\n"
+        # what test modules import at collection time, which the plain-mode parent also does
+        "from pytest_megatron_fsdp import TrainResult, assert_last_loss_finite, assert_loss_decreased\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')]\n"
         "print(heavy)\n"
         "assert not heavy\n"

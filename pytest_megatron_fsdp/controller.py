@@ -1,0 +1,358 @@
+"""Session control in plain-pytest mode: distributed tests run in rank sets the plugin launches.
+
+All distributed tests of one world size share one torchrun rank set (imports and process-group
+set-up are paid once per batch, not per test). The rank set's rank 0 streams agreed reports back;
+they are logged here under the same node ids, so ``-x``, ``--lf``, JUnit XML and the terminal
+summary behave as for any test. A rank set that dies or hangs fails the test it was running; the
+rest of the batch continues in a fresh rank set.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import options
+from .launcher import RankSet, describe_exit
+from .rank import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, timeout_for
+from .state import MARKER, RUN_RECORDS, RunRecord, distributed_marker
+
+#: seconds a fresh rank set may spend starting (imports, rendezvous) before its first test counts
+STARTUP_ALLOWANCE_S = 120.0
+#: seconds past a test's timeout before the parent kills the rank set itself (the ranks' own
+#: watchdogs normally end them first, with their stacks in the logs)
+KILL_GRACE_S = 15.0
+#: seconds to wait for a rank set to exit after its last test
+EXIT_WAIT_S = 60.0
+
+
+class Controller:
+    """Registered in a plain (non-torchrun) pytest process, as ``mfsdp-controller``."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        #: the platform each world size runs on, decided once per session (see plan_platforms)
+        self.platforms: dict[int, str] = {}
+        self.active: dict[int, RankSet] = {}
+        self.remaining: dict[int, list[str]] = {}
+        self._batches = 0
+
+    # -- batches ------------------------------------------------------------------------------------
+
+    def _rank_set_for(self, item: pytest.Item, world_size: int) -> RankSet:
+        current = self.active.get(world_size)
+        if current is not None and item.nodeid in self.remaining.get(world_size, []):
+            return current
+        if current is not None:
+            self._close(world_size)
+        items = self.config.stash[_SESSION_ITEMS]
+        start = items.index(item)
+        batch = [
+            i
+            for i in items[start:]
+            if i.get_closest_marker(MARKER) is not None
+            and UNHOSTABLE not in i.stash
+            and distributed_marker(i).world_size == world_size
+        ]
+        files = list(dict.fromkeys(str(i.path) for i in batch))
+        self._batches += 1
+        rank_set = RankSet(
+            world_size,
+            [i.nodeid for i in batch],
+            files,
+            self._pytest_args(world_size),
+            log_dir(self.config, f"batch{self._batches}-world{world_size}"),
+            self.config.invocation_params.dir,
+        )
+        self.active[world_size] = rank_set
+        self.remaining[world_size] = [i.nodeid for i in batch]
+        return rank_set
+
+    def _pytest_args(self, world_size: int) -> list[str]:
+        """The parent's settings that shape how a test runs, for the ranks' pytest."""
+        opt = self.config.option
+        args = ["--rootdir", str(self.config.rootpath), "-p", "no:cacheprovider"]
+        if self.config.inipath is not None:
+            args += ["-c", str(self.config.inipath)]
+        args += [f"--capture={opt.capture}", f"--import-mode={opt.importmode}"]
+        if getattr(opt, "tbstyle", None):
+            args.append(f"--tb={opt.tbstyle}")
+        for plugin in getattr(opt, "plugins", None) or []:
+            args += ["-p", plugin]
+        for override in getattr(opt, "override_ini", None) or []:
+            args += ["-o", override]
+        for warning in getattr(opt, "pythonwarnings", None) or []:
+            args += ["-W", warning]
+        for option in options.OPTIONS.values():
+            value = getattr(opt, option.dest, None)
+            if value is not None and option.name not in ("platform", "log-dir"):
+                args.append(f"{option.flag}={value}")
+        # The parent decided the platform once; every rank set uses that decision.
+        args.append(f"--mfsdp-platform={self.platforms[world_size]}")
+        return args
+
+    def _close(self, world_size: int) -> None:
+        rank_set = self.active.pop(world_size, None)
+        self.remaining.pop(world_size, None)
+        if rank_set is not None:
+            rank_set.close()
+
+    def close_all(self) -> None:
+        for world_size in list(self.active):
+            self._close(world_size)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        if item.get_closest_marker(MARKER) is None or UNHOSTABLE in item.stash:
+            return None  # plain tests, and tests skipped for want of GPUs, run as usual
+        world_size = distributed_marker(item).world_size
+        rank_set = self._rank_set_for(item, world_size)
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        reports = self._collect_reports(item, rank_set)
+        for report in reports:
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        remaining = self.remaining.get(world_size)
+        if remaining is not None and item.nodeid in remaining:
+            del remaining[: remaining.index(item.nodeid) + 1]
+            if not remaining:
+                self._finish_batch(world_size)
+        return True
+
+    def _finish_batch(self, world_size: int) -> None:
+        rank_set = self.active[world_size]
+        code = rank_set.wait(EXIT_WAIT_S)
+        if code not in (0, None):
+            self._warn(
+                f"the world_size={world_size} rank set exited with {describe_exit(code)} after its last "
+                f"test; output: {rank_set.output_path}"
+            )
+        elif code is None:
+            self._warn(
+                f"the world_size={world_size} rank set did not exit {EXIT_WAIT_S:g} s after its last "
+                "test; killed"
+            )
+        self._close(world_size)
+
+    def _warn(self, text: str) -> None:
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"megatron-fsdp: {text}", yellow=True)
+
+    def _collect_reports(self, item: pytest.Item, rank_set: RankSet) -> list[pytest.TestReport]:
+        timeout = timeout_for(item)
+        startup = STARTUP_ALLOWANCE_S if rank_set.tests_finished == 0 else 0.0
+        deadline = time.monotonic() + timeout + KILL_GRACE_S + startup
+        relay = self.config.option.capture == "no"
+        reports: list[pytest.TestReport] = []
+        started = False
+        while True:
+            events = rank_set.poll_events()
+            while events:
+                event = events.popleft()
+                kind = event["event"]
+                if kind == "collected":
+                    if item.nodeid not in event["nodeids"]:
+                        return reports + [
+                            self._failure(item, rank_set, reports, started, _not_collected(item, event))
+                        ]
+                elif kind == "start":
+                    if event["nodeid"] != item.nodeid:
+                        return reports + [
+                            self._failure(
+                                item, rank_set, reports, f"the rank set ran {event['nodeid']} instead"
+                            )
+                        ]
+                    deadline = time.monotonic() + timeout + KILL_GRACE_S
+                    started = True
+                elif kind == "report":
+                    reports.append(_report_from_event(self.config, event["report"]))
+                elif kind == "record":
+                    self.config.stash.setdefault(RUN_RECORDS, []).append(RunRecord(**event["record"]))
+                elif kind == "finish":
+                    rank_set.tests_finished += 1
+                    if relay:
+                        _relay(rank_set)
+                    return reports
+            if relay:
+                _relay(rank_set)
+            if rank_set.exited():
+                if rank_set.poll_events():
+                    continue  # the last words arrived with the exit
+                return reports + [
+                    self._failure(item, rank_set, reports, started, self._death(rank_set, timeout))
+                ]
+            if time.monotonic() > deadline:
+                rank_set.dump_stacks()
+                time.sleep(1.0)
+                rank_set.kill()
+                reason = self._death(rank_set, timeout, killed_after=timeout)
+                return reports + [self._failure(item, rank_set, reports, started, reason)]
+            time.sleep(0.05)
+
+    def _death(self, rank_set: RankSet, timeout: float, killed_after: float | None = None) -> str:
+        """Why the rank set ended before the test did, with each rank's stacks or log tail."""
+        timed_out = [r for r in range(rank_set.world_size) if TIMEOUT_BANNER in rank_set.rank_log(r)]
+        exits, root = rank_set.rank_exits()
+        lines: list[str] = []
+        if timed_out or killed_after is not None:
+            lines.append(
+                f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
+                "and the rank set was killed"
+            )
+        died = {r: c for r, c in exits.items() if c != TIMEOUT_EXIT_CODE}
+        if died and not timed_out:
+            order = ([root] if root in died else []) + sorted(r for r in died if r != root)
+            first = order[0]
+            lines.append(f"rank {first} died ({describe_exit(died[first])})")
+            for r in order[1:]:
+                lines.append(
+                    f"rank {r} then ended ({describe_exit(died[r])}; stopped by torchrun after rank {first})"
+                )
+        if not lines:
+            lines.append(f"the rank set ended unexpectedly ({describe_exit(rank_set.proc.returncode or 0)})")
+        for r in range(rank_set.world_size):
+            log = rank_set.rank_log(r)
+            start = log.find(TIMEOUT_BANNER)
+            if start < 0:
+                start = log.find("Thread 0x")  # a dump on SIGUSR1 from the parent's watchdog
+            if start < 0:
+                start = log.rfind("START ")  # this test's part of the log
+            excerpt = log[start:] if start >= 0 else log[-3000:]
+            lines.append(f"---------- rank {r} (log: {rank_set.log_dir / f'rank{r}.log'}) ----------")
+            lines.append(excerpt.rstrip())
+        tail = rank_set.output()[-2500:]
+        lines.append(f"---------- torchrun output (tail; whole: {rank_set.output_path}) ----------")
+        lines.append(tail.rstrip())
+        return "\n".join(lines)
+
+    def _failure(
+        self,
+        item: pytest.Item,
+        rank_set: RankSet,
+        received: list[pytest.TestReport],
+        started: bool,
+        reason: str,
+    ) -> pytest.TestReport:
+        """The test fails in the phase it had reached; this rank set is finished.
+
+        Reports arrive only once the ranks agreed on a test, so a test that started and sent
+        nothing is charged to its call phase (that is where ranks die or hang in practice).
+        """
+        when = "call" if started else "setup"
+        if received:
+            when = "teardown" if received[-1].when != "setup" or received[-1].outcome != "passed" else "call"
+        world_size = rank_set.world_size
+        if self.active.get(world_size) is rank_set:
+            self._close(world_size)  # the rest of the batch continues in a fresh rank set
+        return pytest.TestReport(
+            nodeid=item.nodeid,
+            location=item.location,
+            keywords={k: 1 for k in item.keywords},
+            outcome="failed",
+            longrepr=reason,
+            when=when,
+            sections=[],
+            duration=0.0,
+            user_properties=list(item.user_properties),
+        )
+
+
+def _report_from_event(config: pytest.Config, data: dict[str, Any]) -> pytest.TestReport:
+    report = config.hook.pytest_report_from_serializable(config=config, data=data)
+    if report.skipped and isinstance(report.longrepr, list):
+        report.longrepr = tuple(report.longrepr)  # JSON has no tuples; pytest wants (path, line, reason)
+    return report
+
+
+def _relay(rank_set: RankSet) -> None:
+    text = rank_set.new_output()
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _not_collected(item: pytest.Item, event: dict[str, Any]) -> str:
+    return (
+        f"the launched ranks did not collect {item.nodeid} (they collected {len(event['nodeids'])} tests); "
+        "is its node id stable across processes (e.g. no random parametrize ids)?"
+    )
+
+
+def log_dir(config: pytest.Config, name: str) -> Path:
+    """Where a rank set's logs go: ``--mfsdp-log-dir`` as given to a launched rank set, else
+    ``<log-dir or .pytest_cache/d/mfsdp-logs>/<name>`` (kept after the run, replaced by the next)."""
+    explicit = options.resolve(config, "log-dir")
+    if explicit and config.getoption("mfsdp_report_file"):
+        return Path(explicit)  # the parent already chose this rank set's own directory
+    if explicit:
+        return Path(explicit) / name
+    if getattr(config, "cache", None) is not None:
+        return config.cache.mkdir("mfsdp-logs") / name
+    return Path(tempfile.gettempdir()) / "mfsdp-logs" / name
+
+
+_SESSION_ITEMS = pytest.StashKey[list]()
+#: set on a distributed test this machine cannot host (too few GPUs): it is skipped, not launched
+UNHOSTABLE = pytest.StashKey[str]()
+
+
+def remember_items(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[_SESSION_ITEMS] = list(items)
+
+
+def max_cpu_ranks() -> int:
+    """CPU ranks this machine hosts in one rank set (oversubscribing cores past this only thrashes)."""
+    import os
+
+    return max(4, 2 * (os.cpu_count() or 1))
+
+
+def plan_platforms(config: pytest.Config, controller: Controller, items: list[pytest.Item]) -> list[str]:
+    """Decide each world size's platform before any rank starts; returns header lines.
+
+    ``cuda`` (asked for or chosen by ``auto``) needs one GPU per rank: a test needing more GPUs than
+    are visible is skipped with a reason saying so. ``cpu`` hosts up to :func:`max_cpu_ranks` ranks;
+    a bigger world size is a usage error naming the limit.
+    """
+    from .platform import PlatformError, select_platform
+
+    requested = options.resolve(config, "platform")
+    lines = []
+    for world_size in sorted({distributed_marker(i).world_size for i in items}):
+        try:
+            choice = select_platform(requested, world_size)
+        except PlatformError as exc:
+            gpus = _visible_gpus()
+            if gpus == 0:
+                raise
+            reason = (
+                f"needs {world_size} GPUs (world_size={world_size}, --mfsdp-platform=cuda); {gpus} visible"
+            )
+            for i in items:
+                if distributed_marker(i).world_size == world_size:
+                    i.stash[UNHOSTABLE] = reason
+                    i.add_marker(pytest.mark.skip(reason=reason))
+            lines.append(f"world_size={world_size}: skipped ({exc})")
+            continue
+        if choice.platform == "cpu" and world_size > max_cpu_ranks():
+            raise pytest.UsageError(
+                f"world_size={world_size} cannot be hosted here: at most {max_cpu_ranks()} CPU ranks "
+                f"(2 per core); use a smaller world_size in @pytest.mark.distributed or run on GPUs"
+            )
+        controller.platforms[world_size] = choice.platform
+        lines.append(f"world_size={world_size} -> platform={choice.platform} ({choice.reason})")
+    return lines
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,0 +1,212 @@
+"""Process management: a torchrun rank set launched for a batch of tests, watched, and always reaped.
+
+torchrun starts each rank in a session of its own, so killing torchrun's process group does not
+reach them; the ranks write their pids next to their logs and are killed one by one (SIGKILL: a
+rank stuck in a collective ignores gentler signals).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+#: torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : 3 (pid: 123)"
+_FAILURE_ENTRY = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+_TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+class RankSet:
+    """``torchrun --standalone --nproc_per_node=N -m pytest <batch>`` and what it reports."""
+
+    def __init__(
+        self,
+        world_size: int,
+        nodeids: list[str],
+        files: list[str],
+        pytest_args: list[str],
+        log_dir: Path,
+        cwd: Path,
+    ) -> None:
+        self.world_size = world_size
+        self.nodeids = list(nodeids)
+        self.log_dir = log_dir
+        self.work_dir = Path(tempfile.mkdtemp(prefix="mfsdp-batch-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for stale in log_dir.glob("rank*.*"):
+            stale.unlink()
+        self.events_path = self.work_dir / "events.jsonl"
+        self.events_path.touch()
+        batch_path = self.work_dir / "batch.txt"
+        batch_path.write_text("\n".join(nodeids) + "\n")
+        self.output_path = log_dir / "torchrun.log"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # rendezvous on a free loopback port, never a fixed 29500
+            f"--nproc_per_node={world_size}",
+            "--max-restarts=0",
+            "-m",
+            "pytest",
+            *files,
+            f"--mfsdp-report-file={self.events_path}",
+            f"--mfsdp-batch-file={batch_path}",
+            f"--mfsdp-log-dir={log_dir}",
+            *pytest_args,
+        ]
+        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+        env["PYTHONUNBUFFERED"] = "1"
+        # torchrun's own temp dirs (torchelastic_*) and the ranks' temp files land in the batch's
+        # working dir, so a killed rank set leaves nothing behind once close() removes it.
+        (self.work_dir / "tmp").mkdir()
+        env["TMPDIR"] = str(self.work_dir / "tmp")
+        self._output = open(self.output_path, "wb")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
+        self.started = time.monotonic()
+        self.tests_finished = 0
+        self._events: deque[dict[str, Any]] = deque()
+        self._events_offset = 0
+        self._output_offset = 0
+
+    # -- watching -----------------------------------------------------------------------------------
+
+    def poll_events(self) -> deque[dict[str, Any]]:
+        """Newly completed event lines, appended to the pending queue (which is returned)."""
+        with open(self.events_path, "rb") as f:
+            f.seek(self._events_offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._events_offset += len(complete)
+        for line in complete.splitlines():
+            if line.strip():
+                self._events.append(json.loads(line))
+        return self._events
+
+    def new_output(self) -> str:
+        """torchrun's output since the last call (to relay when the user asked for ``-s``)."""
+        with open(self.output_path, "rb") as f:
+            f.seek(self._output_offset)
+            data = f.read()
+        self._output_offset += len(data)
+        return data.decode(errors="replace")
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def rank_pids(self) -> dict[int, int]:
+        """Live ranks of this set (a pid is only trusted while its command line names this batch)."""
+        pids = {}
+        marker = str(self.events_path).encode()
+        for path in self.log_dir.glob("rank*.pid"):
+            try:
+                pid = int(path.read_text())
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker not in f.read():
+                        continue  # exited, and the pid may already belong to someone else
+            except (ValueError, OSError):
+                continue
+            pids[int(path.stem[4:])] = pid
+        return pids
+
+    def rank_log(self, rank: int) -> str:
+        try:
+            return (self.log_dir / f"rank{rank}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def output(self) -> str:
+        return self.output_path.read_text(errors="replace")
+
+    # -- ending -------------------------------------------------------------------------------------
+
+    def dump_stacks(self) -> None:
+        """Each live rank writes every thread's stack into its log (faulthandler on SIGUSR1)."""
+        for pid in self.rank_pids().values():
+            _signal(pid, signal.SIGUSR1)
+
+    def kill(self) -> None:
+        for pid in self.rank_pids().values():
+            _signal(pid, signal.SIGKILL)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+            pass
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        """Kill whatever still runs and remove the batch's working directory."""
+        if not self.exited():
+            self.kill()
+        else:
+            # torchrun is gone; a rank it failed to reap must not outlive it.
+            for pid in self.rank_pids().values():
+                _signal(pid, signal.SIGKILL)
+        self._output.close()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # -- explaining ---------------------------------------------------------------------------------
+
+    def rank_exits(self) -> tuple[dict[int, int], int | None]:
+        """(exit code per failed rank, the root-cause rank) from torchrun's failure summary."""
+        text = self.output()
+        exits = {int(r): int(c) for r, c in _FAILURE_ENTRY.findall(text)}
+        root = None
+        if "Root Cause" in text:
+            found = _FAILURE_ENTRY.findall(text.split("Root Cause", 1)[1])
+            if found:
+                root = int(found[0][0])
+        return exits, root
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,346 @@
+"""Worker side: what a torchrun rank does beyond running its tests.
+
+* only rank 0 talks to the terminal; every rank keeps a log file (``rank<R>.log``) with its own
+  report, failures written the moment they happen, and stack dumps;
+* all ranks must have collected the same tests in the same order (checked through the store);
+* after each test the ranks agree on its outcome through the store, with bounded waits: a failure
+  on one rank fails the test on all, carrying that rank's traceback and captured output;
+* a watchdog per test: on expiry it dumps every thread's stack (faulthandler) and ends the rank,
+  since a rank stuck in a collective cannot be unwound;
+* in a rank set launched by the plugin (plain-pytest mode) rank 0 streams the agreed reports to the
+  parent session as JSON lines.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from _pytest.runner import runtestprotocol
+
+from . import options
+from .session import RankSession, TorchrunEnv
+from .state import MARKER, OPTIONS, RUN_RECORDS, SESSION, distributed_marker
+
+#: exit status of a rank ended by its watchdog (as coreutils' timeout)
+TIMEOUT_EXIT_CODE = 124
+TIMEOUT_BANNER = "MFSDP-TIMEOUT"
+_OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+
+
+class RankPlugin:
+    """Registered in every torchrun rank, as ``mfsdp-rank``."""
+
+    def __init__(self, config: pytest.Config, torchrun: TorchrunEnv, log_dir: Callable[[], Path]) -> None:
+        self.config = config
+        self.torchrun = torchrun
+        self.rank = torchrun.rank
+        self._log_dir = log_dir
+        report_file = config.getoption("mfsdp_report_file")
+        self.launched = report_file is not None
+        self._report_file = report_file
+        self.events: IO[str] | None = None
+        self._test_index = 0
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
+        # the cache dir (the default log dir) and the terminal reporter exist by then.
+        log_dir = self._log_dir()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"rank{self.rank}.log"
+        self.log: IO[str] = open(self.log_path, "w", buffering=1)  # noqa: SIM115 (lives as long as the rank)
+        (log_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))
+        # `kill -USR1 <pid>` (the plain-mode parent's backup watchdog does) dumps every thread's stack.
+        faulthandler.register(signal.SIGUSR1, file=self.log, all_threads=True)
+        if self._report_file and self.rank == 0:
+            self.events = open(self._report_file, "a", buffering=1)  # noqa: SIM115
+        self._log(
+            f"rank {self.rank} of {self.torchrun.world_size} (local rank {self.torchrun.local_rank}), "
+            f"pid {os.getpid()}"
+        )
+        if self.rank != 0 or self.launched:
+            self._quiet_terminal(config)
+
+    # -- output -------------------------------------------------------------------------------------
+
+    def _log(self, text: str) -> None:
+        self.log.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
+
+    def _event(self, kind: str, **data: Any) -> None:
+        if self.events is not None:
+            self.events.write(json.dumps({"event": kind, **data}) + "\n")
+
+    def _quiet_terminal(self, config: pytest.Config) -> None:
+        """This rank's terminal report goes to its log file (rank 0's reaches the user)."""
+        from _pytest.terminal import TerminalReporter
+
+        old = config.pluginmanager.get_plugin("terminalreporter")
+        if old is None:
+            return
+        config.pluginmanager.unregister(old)
+        config.pluginmanager.register(TerminalReporter(config, self.log), "terminalreporter")
+        if config.getoption("capture") == "no":
+            # Nothing captures this rank's output, so point its stdout/stderr at the log too.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(self.log.fileno(), 1)
+            os.dup2(self.log.fileno(), 2)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if not hasattr(self, "log"):
+            return
+        faulthandler.unregister(signal.SIGUSR1)
+        if self.events is not None:
+            self.events.close()
+        self.log.close()
+
+    # -- collection ---------------------------------------------------------------------------------
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """In a rank set the plugin launched: exactly the parent's batch, in the parent's order."""
+        batch_file = config.getoption("mfsdp_batch_file")
+        if batch_file is None:
+            return
+        wanted = [line for line in Path(batch_file).read_text().splitlines() if line]
+        by_id = {item.nodeid: item for item in items}
+        selected = [by_id[nodeid] for nodeid in wanted if nodeid in by_id]
+        chosen = set(selected)
+        deselected = [item for item in items if item not in chosen]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+    def check_same_collection(self, session: pytest.Session, rank_session: RankSession) -> None:
+        """All ranks run the same tests in the same order, or none runs anything."""
+        mine = [item.nodeid for item in session.items]
+        store = rank_session.store
+        store.set(f"collect/{self.rank}", json.dumps(mine))
+        keys = [f"collect/{r}" for r in range(self.torchrun.world_size)]
+        store.wait(keys, datetime.timedelta(seconds=_agreement_timeout(self.config)))
+        reference = json.loads(store.get("collect/0"))
+        for rank in range(1, self.torchrun.world_size):
+            theirs = json.loads(store.get(f"collect/{rank}"))
+            if theirs != reference:
+                raise pytest.UsageError(
+                    f"ranks collected different tests: {_first_difference(reference, theirs, rank)}; "
+                    "every rank must collect the same tests in the same order (check for rank-dependent "
+                    "collection, e.g. conftest code reading RANK, or files differing between nodes)"
+                )
+        self._event("collected", nodeids=mine)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        rank_session: RankSession | None = self.config.stash.get(SESSION, None)
+        if rank_session is None:
+            return None
+        index = self._test_index
+        self._test_index += 1
+        timeout = timeout_for(item)
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        self._log(f"START {item.nodeid} (timeout {timeout:g} s)")
+        self._event("start", nodeid=item.nodeid)
+        records_before = len(self.config.stash.get(RUN_RECORDS, []))
+        deadline = time.monotonic() + timeout
+        with self._watchdog(item.nodeid, timeout):
+            reports = runtestprotocol(item, nextitem=nextitem, log=False)
+            merged = self._agree(item, index, reports, rank_session, deadline)
+        for report in merged:
+            item.ihook.pytest_runtest_logreport(report=report)
+            self._event(
+                "report",
+                report=self.config.hook.pytest_report_to_serializable(config=self.config, report=report),
+            )
+        for record in self.config.stash.get(RUN_RECORDS, [])[records_before:]:
+            self._event("record", record=record.__dict__)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        self._event("finish", nodeid=item.nodeid)
+        return True
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self.log.write(f"FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
+
+    @contextmanager
+    def _watchdog(self, nodeid: str, timeout: float) -> Iterator[None]:
+        done = threading.Event()
+
+        def expire() -> None:
+            if done.wait(timeout):
+                return
+            banner = (
+                f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {self.rank}; "
+                "stacks of every thread follow, then the rank is ended (a rank stuck in a collective "
+                "cannot be unwound)"
+            )
+            for stream in (self.log, sys.stderr):
+                try:
+                    stream.write(banner + "\n")
+                    stream.flush()
+                    faulthandler.dump_traceback(file=stream, all_threads=True)
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            os._exit(TIMEOUT_EXIT_CODE)
+
+        # Backup in C, should the GIL never come back to the thread above.
+        faulthandler.dump_traceback_later(timeout + 10, exit=True, file=self.log)
+        thread = threading.Thread(target=expire, name="mfsdp-watchdog", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            faulthandler.cancel_dump_traceback_later()
+
+    def _agree(
+        self,
+        item: pytest.Item,
+        index: int,
+        reports: list[pytest.TestReport],
+        rank_session: RankSession,
+        deadline: float,
+    ) -> list[pytest.TestReport]:
+        """Exchange every rank's phase outcomes through the store; return the agreed reports."""
+        store = rank_session.store
+        mine = {r.when: _summarise(r) for r in reports}
+        store.set(f"test/{index}/{self.rank}", json.dumps({"nodeid": item.nodeid, "phases": mine}))
+        keys = [f"test/{index}/{r}" for r in range(self.torchrun.world_size)]
+        # Bounded by the test's own deadline; past it the watchdog ends this rank anyway.
+        store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5))
+        per_rank: dict[int, dict[str, Any]] = {}
+        for rank in range(self.torchrun.world_size):
+            data = json.loads(store.get(keys[rank]))
+            if data["nodeid"] != item.nodeid:
+                raise pytest.UsageError(
+                    f"rank {rank} ran {data['nodeid']!r} while rank {self.rank} ran {item.nodeid!r}"
+                )
+            per_rank[rank] = data["phases"]
+        log_dir = self.log_path.parent
+        return merge_reports(item, reports, per_rank, self.rank, log_dir)
+
+
+def _summarise(report: pytest.TestReport) -> dict[str, Any]:
+    data: dict[str, Any] = {"outcome": report.outcome, "duration": report.duration}
+    if report.failed:
+        data["text"] = report.longreprtext
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        data["text"] = report.longrepr[2]
+    data["sections"] = [list(s) for s in report.sections]
+    return data
+
+
+def merge_reports(
+    item: pytest.Item,
+    local: list[pytest.TestReport],
+    per_rank: dict[int, dict[str, Any]],
+    my_rank: int,
+    log_dir: Path,
+) -> list[pytest.TestReport]:
+    """One consistent set of reports from every rank's phases: failed > skipped > passed.
+
+    A phase fails when it failed on any rank; the failing ranks' tracebacks, captured output and
+    log paths go into the report. A skip on some ranks (and no failure) is a skip everywhere.
+    """
+    local_by_phase = {r.when: r for r in local}
+    merged: list[pytest.TestReport] = []
+    for when in ("setup", "call", "teardown"):
+        phase = {rank: phases[when] for rank, phases in per_rank.items() if when in phases}
+        if not phase:
+            continue
+        if when == "call" and merged and merged[0].outcome != "passed":
+            continue  # setup did not pass everywhere: no call phase, as in pytest
+        worst = max(phase.values(), key=lambda p: _OUTCOME_RANK[p["outcome"]])["outcome"]
+        if when == "setup" and worst == "skipped":
+            # Some rank skipped but another went on and failed its call: that failure must not vanish.
+            failed_calls = {
+                r: p["call"] for r, p in per_rank.items() if p.get("call", {}).get("outcome") == "failed"
+            }
+            if failed_calls:
+                phase = {**phase, **failed_calls}
+                worst = "failed"
+        base = local_by_phase.get(when)
+        report = pytest.TestReport(
+            nodeid=item.nodeid,
+            location=item.location,
+            keywords={k: 1 for k in item.keywords},
+            outcome=worst,
+            longrepr=None,
+            when=when,
+            sections=list(base.sections) if base is not None else [],
+            duration=max(p["duration"] for p in phase.values()),
+            user_properties=list(item.user_properties),
+        )
+        for rank, p in sorted(phase.items()):
+            if rank != my_rank:
+                report.sections.extend((f"{title} (rank {rank})", text) for title, text in p["sections"])
+        if worst == "failed":
+            failing = sorted(r for r, p in phase.items() if p["outcome"] == "failed")
+            passing = sorted(r for r, p in phase.items() if p["outcome"] != "failed")
+            parts = [
+                f"failed on rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))}"
+                + (f" (passed on {', '.join(map(str, passing))})" if passing else "")
+            ]
+            for rank in failing:
+                parts.append(f"---------- rank {rank} (log: {log_dir / f'rank{rank}.log'}) ----------")
+                parts.append(phase[rank].get("text", ""))
+            report.longrepr = "\n".join(parts)
+        elif worst == "skipped":
+            skipping = sorted(r for r, p in phase.items() if p["outcome"] == "skipped")
+            reason = phase[skipping[0]].get("text", "skipped")
+            if len(skipping) < len(phase):
+                others = sorted(set(phase) - set(skipping))
+                reason += (
+                    f" (skipped on rank {', '.join(map(str, skipping))} only; "
+                    f"rank {', '.join(map(str, others))} did not skip)"
+                )
+            path, lineno, _ = item.location
+            if (
+                base is not None
+                and base.skipped
+                and isinstance(base.longrepr, tuple)
+                and len(skipping) == len(phase)
+            ):
+                report.longrepr = base.longrepr
+            else:
+                report.longrepr = (str(item.path), (lineno or 0) + 1, reason)
+        merged.append(report)
+    return merged
+
+
+def _first_difference(reference: list[str], theirs: list[str], rank: int) -> str:
+    for position, (a, b) in enumerate(zip(reference, theirs, strict=False)):
+        if a != b:
+            return f"at position {position} rank 0 has {a!r} but rank {rank} has {b!r}"
+    if len(reference) != len(theirs):
+        longer, who = (reference, 0) if len(reference) > len(theirs) else (theirs, rank)
+        extra = longer[min(len(reference), len(theirs))]
+        return (
+            f"rank 0 collected {len(reference)} tests, rank {rank} {len(theirs)}; "
+            f"first extra test on rank {who}: {extra!r}"
+        )
+    return "identical"
+
+
+def _agreement_timeout(config: pytest.Config) -> float:
+    return float(config.stash[OPTIONS]["pg-timeout"])
+
+
+def timeout_for(item: pytest.Item) -> float:
+    """Seconds the test may take: marker ``timeout=`` > ``--mfsdp-timeout`` > env > ini > default."""
+    marker = item.get_closest_marker(MARKER)
+    marker_value = distributed_marker(item).timeout if marker is not None else None
+    return float(options.resolve(item.config, "timeout", marker_value))

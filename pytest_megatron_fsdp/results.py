@@ -1,0 +1,21 @@
+"""What a training run reports: plain data, importable without torch (the parent session reads it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainResult:
+    """Per-iteration figures of one training run (identical on every rank, but ``local_losses``)."""
+
+    #: data-parallel mean of the iteration's loss
+    losses: list[float] = field(default_factory=list)
+    #: this rank's own loss per iteration (before the data-parallel reduction)
+    local_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    step_times_s: list[float] = field(default_factory=list)
+
+    @property
+    def last_loss(self) -> float:
+        return self.losses[-1]

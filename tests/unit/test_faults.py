@@ -1,0 +1,227 @@
+"""No fault hangs the run: each one ends as a clear failure of its own test, within its timeout.
+
+One plain-pytest session (the plugin launches the rank sets) holds every fault, in order, and a
+healthy test after them; then the process table and the temp dir are checked for leftovers.
+"""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+HANG_TIMEOUT_S = 6
+
+FAULTS = f"""
+import os, signal, time
+import pytest
+import torch
+import torch.distributed as dist
+
+two_ranks = pytest.mark.distributed(world_size=2)
+
+
+@two_ranks
+def test_rank1_raises(dist_env):
+    if dist_env.rank == 1:
+        raise RuntimeError("boom on rank 1")
+
+
+@two_ranks
+def test_rank1_exits(dist_env):
+    if dist_env.rank == 1:
+        os._exit(3)
+    dist.barrier()  # rank 0 waits in a collective for a rank that is gone
+
+
+@two_ranks
+def test_rank1_is_sigkilled(dist_env):
+    if dist_env.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+@pytest.mark.distributed(world_size=2, timeout={HANG_TIMEOUT_S})
+def test_rank1_hangs(dist_env):
+    if dist_env.rank == 1:
+        time.sleep(3600)
+    dist.barrier()  # rank 0 waits in a collective for a rank that never comes
+
+
+@two_ranks
+def test_rank0_fails_rank1_passes(dist_env):
+    assert dist_env.rank != 0, "rank 0 disagrees"
+
+
+@two_ranks
+def test_skips_on_rank1_only(dist_env):
+    if dist_env.rank == 1:
+        pytest.skip("only rank 1 skips")
+
+
+@two_ranks
+def test_healthy_after_all_that(dist_env):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist_env.world_size
+"""
+
+# Records when each test started and ended in the parent session, to check the time bounds.
+TIMING_CONFTEST = """
+import json, os, time
+_times = {}
+_parent = "RANK" not in os.environ  # the ranks load this conftest too; only the parent records
+def pytest_runtest_logstart(nodeid):
+    _times[nodeid] = [time.monotonic(), None]
+def pytest_runtest_logfinish(nodeid):
+    _times[nodeid][1] = time.monotonic()
+def pytest_sessionfinish(session):
+    if not _parent:
+        return
+    with open("times.json", "w") as f:
+        json.dump({k.split("::")[-1]: v[1] - v[0] for k, v in _times.items()}, f)
+"""
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+@pytest.fixture
+def isolated_tmp(pytester, monkeypatch):
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp
+
+
+def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isolated_tmp):
+    pytester.makepyfile(test_faults=FAULTS)
+    pytester.makeconftest(TIMING_CONFTEST)
+    started = time.monotonic()
+    result = pytester.runpytest_subprocess("-rA", "--mfsdp-platform=cpu", "--junitxml=junit.xml", timeout=300)
+    wall = time.monotonic() - started
+    out = result.stdout.str()
+    result.assert_outcomes(passed=1, failed=5, skipped=1)
+
+    result.stdout.fnmatch_lines(["*test_rank1_raises*", "*failed on rank 1 (passed on 0)*"])
+    assert "RuntimeError: boom on rank 1" in out
+    assert "rank 1 died (exit code 3)" in out
+    assert "rank 1 died (signal SIGKILL)" in out
+    assert f"timed out: the test exceeded its {HANG_TIMEOUT_S} s timeout" in out
+    # The hang's report carries every rank's stack: rank 1 sleeping in the test, rank 0 in barrier.
+    hang = out[out.index("test_rank1_hangs _") :]
+    assert "in test_rank1_hangs" in hang and "---------- rank 1" in hang and "---------- rank 0" in hang
+    assert "failed on rank 0 (passed on 1)" in out and "rank 0 disagrees" in out
+    result.stdout.fnmatch_lines(["*SKIPPED*only rank 1 skips (skipped on rank 1 only; rank 0 did not skip)*"])
+    result.stdout.fnmatch_lines(["PASSED*test_healthy_after_all_that*"])
+
+    # Each test ends within its timeout + 10 s (the default timeout is 300 s, so the bound that
+    # matters is the hang's); a fresh rank set's start-up counts against the first test after it.
+    times = json.loads((pytester.path / "times.json").read_text())
+    assert times["test_rank1_hangs"] <= HANG_TIMEOUT_S + 10, times
+    assert all(t < 60 for t in times.values()), times
+    assert wall < 240, wall
+
+    # JUnit XML sees the same node ids and outcomes.
+    junit = (pytester.path / "junit.xml").read_text()
+    assert junit.count("<testcase") == 7 and 'name="test_rank1_exits"' in junit
+
+    # Nothing left running, nothing left in the temp dir.
+    assert _processes_mentioning(str(pytester.path)) == []
+    assert sorted(p.name for p in isolated_tmp.iterdir()) == [], list(isolated_tmp.iterdir())
+
+
+def test_ranks_must_collect_the_same_tests(pytester, isolated_tmp):
+    pytester.makepyfile(
+        test_two="""
+import pytest
+@pytest.mark.distributed(world_size=2)
+def test_a(dist_env): pass
+@pytest.mark.distributed(world_size=2)
+def test_b(dist_env): pass
+"""
+    )
+    # rank 1 runs its tests in another order: a usage error on every rank, before any test runs
+    pytester.makeconftest(
+        "import os\n"
+        "def pytest_collection_modifyitems(items):\n"
+        "    if os.environ.get('RANK') == '1':\n"
+        "        items.reverse()\n"
+    )
+    started = time.monotonic()
+    result = pytester.run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        timeout=120,
+    )
+    assert time.monotonic() - started < 60
+    assert result.ret != 0
+    text = result.stdout.str() + result.stderr.str()
+    assert (
+        text.count(
+            "ranks collected different tests: at position 0 rank 0 has 'test_two.py::test_a' "
+            "but rank 1 has 'test_two.py::test_b'"
+        )
+        == 2
+    ), text  # said by both ranks
+    assert "PASSED" not in text and " passed" not in text
+    assert _processes_mentioning(str(pytester.path)) == []
+
+
+def test_torchrun_mode_agrees_on_outcomes_and_only_rank0_prints(pytester, isolated_tmp):
+    pytester.makepyfile(
+        test_agree="""
+import pytest
+@pytest.mark.distributed(world_size=2)
+def test_fails_on_rank1(dist_env):
+    print("captured on rank", dist_env.rank)
+    assert dist_env.rank == 0, "rank 1 says no"
+@pytest.mark.distributed(world_size=2)
+def test_fine(dist_env):
+    pass
+"""
+    )
+    result = pytester.run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "pytest",
+        "--mfsdp-platform=cpu",
+        "-rA",
+        timeout=120,
+    )
+    text = result.stdout.str()
+    # one report: rank 0's, which carries rank 1's traceback and captured output
+    assert text.count("test session starts") == 1, text
+    assert text.count("1 failed, 1 passed") == 1, text
+    assert "failed on rank 1 (passed on 0)" in text and "rank 1 says no" in text
+    assert "Captured stdout call (rank 1)" in text and "captured on rank 1" in text
+    log = pytester.path / ".pytest_cache/d/mfsdp-logs/torchrun/rank1.log"
+    assert "rank 1 says no" in log.read_text()  # logged by rank 1 the moment it failed
+    assert str(log) in text  # and the report points at it
