@@ -1,0 +1,137 @@
+"""The ways users launch the suite: pytest-xdist, multi-node torchrun, and timeout precedence."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def plain_environment(monkeypatch):
+    for name in TORCHRUN_VARS + ("MFSDP_TIMEOUT",):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_under_xdist_each_worker_launches_its_own_rank_sets(pytester):
+    pytester.makepyfile(
+        test_mixed="""
+import os
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("value", [1, 2])
+def test_collective(dist_env, value):
+    t = torch.full((1,), float(value))
+    dist.all_reduce(t)
+    assert t.item() == 2 * value
+
+@pytest.mark.parametrize("n", range(2))
+def test_plain(n):
+    assert "RANK" not in os.environ  # plain tests stay in the xdist worker
+"""
+    )
+    result = pytester.runpytest_subprocess(
+        "-n", "2", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=240
+    )
+    result.assert_outcomes(passed=4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_node_torchrun_ranks_know_global_and_local_rank(pytester):
+    shared = pytester.path / "shared"
+    shared.mkdir()
+    pytester.makepyfile(
+        test_nodes="""
+import os
+import pytest
+import torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+def test_ranks_and_shared_dir(dist_env):
+    assert dist_env.world_size == 2
+    assert dist_env.rank == int(os.environ["GROUP_RANK"])  # one rank per node
+    assert dist_env.local_rank == 0                        # ... so each is local rank 0
+    assert dist_env.shared_dir.parent == __import__("pathlib").Path(os.environ["SHARED"])
+    (dist_env.shared_dir / f"from{dist_env.rank}").write_text("hi")
+    dist.barrier()
+    assert (dist_env.shared_dir / f"from{1 - dist_env.rank}").read_text() == "hi"
+"""
+    )
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env["SHARED"] = str(shared)
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc_per_node=1",
+                f"--node_rank={node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=mfsdp-two-nodes",
+                "--max-restarts=0",
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "--mfsdp-platform=cpu",
+                f"--mfsdp-shared-dir={shared}",
+                "-rA",
+            ],
+            cwd=pytester.path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    for agent in agents:
+        try:
+            outputs.append(agent.communicate(timeout=180)[0])
+        finally:
+            agent.kill()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    assert "1 passed" in outputs[0]
+    assert list(shared.iterdir()) == []  # the session's private subdirectory is gone
+
+
+def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
+    pytester.makeini("[pytest]\nmfsdp_timeout = 40\n")
+    pytester.makeconftest(
+        "from pytest_megatron_fsdp.rank import timeout_for\n"
+        "def pytest_collection_modifyitems(items):\n"
+        "    for item in items:\n"
+        "        print('TIMEOUT', item.name, timeout_for(item))\n"
+    )
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.mark.distributed(world_size=2, timeout=7)\n"
+        "def test_marked(): pass\n"
+        "@pytest.mark.distributed(world_size=2)\n"
+        "def test_unmarked(): pass\n"
+    )
+
+    def timeouts(*args):
+        out = pytester.runpytest_subprocess("--collect-only", "-s", *args).stdout.str()
+        return [line.split()[1:] for line in out.splitlines() if line.startswith("TIMEOUT")]
+
+    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "40.0"]]
+    monkeypatch.setenv("MFSDP_TIMEOUT", "30")
+    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "30.0"]]
+    assert timeouts("--mfsdp-timeout=20") == [["test_marked", "7.0"], ["test_unmarked", "20.0"]]
