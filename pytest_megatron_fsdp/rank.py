@@ -52,6 +52,7 @@ class RankPlugin:
         self._report_file = report_file
         self.events: IO[str] | None = None
         self._test_index = 0
+        self._released = False
 
     def pytest_configure(self, config: pytest.Config) -> None:
         # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
@@ -170,6 +171,17 @@ class RankPlugin:
         self._event("finish", nodeid=item.nodeid)
         return True
 
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
+        report = yield
+        rank_session: RankSession | None = self.config.stash.get(SESSION, None)
+        if rank_session is not None and (report.failed or (report.skipped and report.when == "call")):
+            # Peers may be waiting in a collective this rank will never enter: let them fail now
+            # rather than wait out the process-group timeout. The group is rebuilt after the test.
+            rank_session.release_peers()
+            self._released = True
+        return report
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:
             self.log.write(f"FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
@@ -217,11 +229,16 @@ class RankPlugin:
         """Exchange every rank's phase outcomes through the store; return the agreed reports."""
         store = rank_session.store
         mine = {r.when: _summarise(r) for r in reports}
-        store.set(f"test/{index}/{self.rank}", json.dumps({"nodeid": item.nodeid, "phases": mine}))
+        released, self._released = self._released, False
+        store.set(
+            f"test/{index}/{self.rank}",
+            json.dumps({"nodeid": item.nodeid, "phases": mine, "released": released}),
+        )
         keys = [f"test/{index}/{r}" for r in range(self.torchrun.world_size)]
         # Bounded by the test's own deadline; past it the watchdog ends this rank anyway.
         store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5))
         per_rank: dict[int, dict[str, Any]] = {}
+        renew = False
         for rank in range(self.torchrun.world_size):
             data = json.loads(store.get(keys[rank]))
             if data["nodeid"] != item.nodeid:
@@ -229,6 +246,10 @@ class RankPlugin:
                     f"rank {rank} ran {data['nodeid']!r} while rank {self.rank} ran {item.nodeid!r}"
                 )
             per_rank[rank] = data["phases"]
+            renew |= data["released"]
+        if renew:
+            rank_session.renew()  # every rank decides alike: all saw the same flags
+            self._log(f"process group rebuilt after {item.nodeid} (generation {rank_session.generation})")
         log_dir = self.log_path.parent
         return merge_reports(item, reports, per_rank, self.rank, log_dir)
 

@@ -64,12 +64,60 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
 class RankSession:
     """This rank's part of the distributed session."""
 
-    def __init__(self, env: DistEnv, choice: PlatformChoice, owns_shared_dir: bool, store: Any) -> None:
+    def __init__(
+        self,
+        env: DistEnv,
+        choice: PlatformChoice,
+        rendezvous_store: Any,
+        harness_store: Any,
+        pg_timeout: datetime.timedelta,
+    ) -> None:
         self.env = env
         self.choice = choice
-        self._owns_shared_dir = owns_shared_dir
+        self._rendezvous_store = rendezvous_store
+        self._pg_timeout = pg_timeout
+        #: bumped each time the process group is re-created (identically on every rank)
+        self.generation = 0
         #: the rendezvous store, for the harness's own bounded-wait agreements (not collectives)
-        self.store = store
+        self.store = harness_store
+
+    def _init_process_group(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        kwargs = {}
+        if self.env.platform == "cuda":
+            kwargs["device_id"] = torch.device(self.env.device)
+        dist.init_process_group(
+            backend=self.env.backend,
+            store=dist.PrefixStore(f"default_pg/{self.generation}", self._rendezvous_store),
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            timeout=self._pg_timeout,
+            **kwargs,
+        )
+
+    def release_peers(self) -> None:
+        """Tear this rank's process group down now, after a local failure.
+
+        Peers blocked in a collective with this rank then fail at once (gloo sees the connection
+        close) instead of waiting out the process-group timeout. :meth:`renew` rebuilds it.
+        """
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def renew(self) -> None:
+        """A fresh process group on every rank after a failed test.
+
+        A collective that one rank entered and another never did leaves the old group's sequence
+        out of step; the next test must not inherit that. Called by all ranks (the agreed outcome
+        is the same everywhere), so the generation stays in step too.
+        """
+        self.release_peers()
+        self.generation += 1
+        self._init_process_group()
 
     @classmethod
     def start(
@@ -85,21 +133,11 @@ class RankSession:
 
         timeout = datetime.timedelta(seconds=pg_timeout_s)
         store = _connect_store(torchrun, timeout)
-        kwargs = {}
         if choice.platform == "cuda":
             torch.cuda.set_device(torchrun.local_rank)
             device = f"cuda:{torchrun.local_rank}"
-            kwargs["device_id"] = torch.device(device)
         else:
             device = "cpu"
-        dist.init_process_group(
-            backend=choice.backend,
-            store=dist.PrefixStore("default_pg", store),
-            rank=torchrun.rank,
-            world_size=torchrun.world_size,
-            timeout=timeout,
-            **kwargs,
-        )
         harness_store = dist.PrefixStore("mfsdp", store)
         # Rank 0 makes a private (0700) directory under `shared_root` (every node must see it on
         # multi-node runs; the system temp dir on one node) and tells the others through the store.
@@ -117,7 +155,9 @@ class RankSession:
             platform=choice.platform,
             shared_dir=Path(shared_dir),
         )
-        return cls(env, choice, torchrun.rank == 0, harness_store)
+        session = cls(env, choice, store, harness_store, timeout)
+        session._init_process_group()
+        return session
 
     def header(self) -> str:
         return (
@@ -140,5 +180,5 @@ class RankSession:
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self._owns_shared_dir:
+        if rank == 0:
             shutil.rmtree(self.env.shared_dir, ignore_errors=True)

@@ -29,6 +29,20 @@ def test_rank1_raises(dist_env):
 
 
 @two_ranks
+def test_rank1_raises_while_rank0_waits_in_a_collective(dist_env):
+    if dist_env.rank == 1:
+        raise RuntimeError("rank 1 gives up before the all_reduce")
+    dist.all_reduce(torch.ones(1))  # released at once, not after the process-group timeout
+
+
+@two_ranks
+def test_collectives_work_again_after_that(dist_env):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == 2
+
+
+@two_ranks
 def test_rank1_exits(dist_env):
     if dist_env.rank == 1:
         os._exit(3)
@@ -116,10 +130,11 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isola
     result = pytester.runpytest_subprocess("-rA", "--mfsdp-platform=cpu", "--junitxml=junit.xml", timeout=300)
     wall = time.monotonic() - started
     out = result.stdout.str()
-    result.assert_outcomes(passed=1, failed=5, skipped=1)
+    result.assert_outcomes(passed=2, failed=6, skipped=1)
 
     result.stdout.fnmatch_lines(["*test_rank1_raises*", "*failed on rank 1 (passed on 0)*"])
     assert "RuntimeError: boom on rank 1" in out
+    assert "failed on ranks 0, 1" in out and "rank 1 gives up before the all_reduce" in out
     assert "rank 1 died (exit code 3)" in out
     assert "rank 1 died (signal SIGKILL)" in out
     assert f"timed out: the test exceeded its {HANG_TIMEOUT_S} s timeout" in out
@@ -134,12 +149,14 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isola
     # matters is the hang's); a fresh rank set's start-up counts against the first test after it.
     times = json.loads((pytester.path / "times.json").read_text())
     assert times["test_rank1_hangs"] <= HANG_TIMEOUT_S + 10, times
+    # released by rank 1's failure, not by the 120 s process-group timeout
+    assert times["test_rank1_raises_while_rank0_waits_in_a_collective"] < 15, times
     assert all(t < 60 for t in times.values()), times
     assert wall < 240, wall
 
     # JUnit XML sees the same node ids and outcomes.
     junit = (pytester.path / "junit.xml").read_text()
-    assert junit.count("<testcase") == 7 and 'name="test_rank1_exits"' in junit
+    assert junit.count("<testcase") == 9 and 'name="test_rank1_exits"' in junit
 
     # Nothing left running, nothing left in the temp dir.
     assert _processes_mentioning(str(pytester.path)) == []
