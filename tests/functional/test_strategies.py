@@ -1,0 +1,178 @@
+"""Strategy parity and the training shapes Bridge users run: every Megatron-FSDP sharding strategy
+against a Megatron DDP baseline (same seed, same data), gradient accumulation, tensor parallel,
+bf16, meta-device init, and the wrapper Bridge's ``_ddp_wrap`` would pick.
+
+On CPU ranks (fp32, gloo) the per-iteration losses are compared exactly: Megatron-FSDP and DDP add
+the same numbers in the same order there (FINDINGS §2 measured bit-identical). On GPUs NCCL's
+reduction order differs, so the comparison allows ``GPU_RTOL`` (not verified in this session).
+"""
+
+import math
+
+import pytest
+
+from pytest_megatron_fsdp import (
+    assert_last_loss_finite,
+    assert_loss_decreased,
+    assert_megatron_fsdp_sharded,
+    versions,
+)
+from pytest_megatron_fsdp.config import apply_perf_harness_overrides
+
+ITERS = 6
+OPTIM_OVERLAP_CPU_MISMATCH = (
+    "measured on CPU ranks, megatron-core 0.16.1: 'optim' with overlap_grad_reduce=True departs from "
+    "DDP at iteration 2 (4.809291 vs 4.809149, ~3e-5 relative; overlap_param_gather on or off makes no "
+    "difference; with overlap off it matches to ~5e-8). Not diagnosed; an asynchronous gradient "
+    "all-reduce read before it completes (CUDA stream waits are no-ops on CPU ranks) is one suspect"
+)
+FSDP2_CPU_FAILURE = (
+    "measured on CPU ranks (torch 2.13.0, megatron-core 0.16.1): the call gets past Bridge #2785 "
+    "(process_group is accepted), then torch's fully_shard -> FSDPParam._init_sharding_spec_tp -> "
+    "DeviceMesh._concatenate raises 'Invariant encountered: value was None': a parameter reaches "
+    "fully_shard already as a DTensor, and megatron's DeviceMesh.from_group(group, 'cuda') mesh has no "
+    "mesh_dim_names, which this torch needs to concatenate meshes. Not CPU-specific code; whether a GPU "
+    "with this torch fails the same way is not verified (no GPU in this session)"
+)
+#: GPUs: reduce-scatter vs all-reduce and bf16 kernels reorder sums; fp32 CPU ranks are exact.
+GPU_RTOL = 1e-4
+OPTIM_CPU_RTOL = 1e-6
+
+
+def _ddp_baseline(cfg):
+    base = cfg.copy()
+    base.dist.use_megatron_fsdp = False
+    base.ddp.use_megatron_fsdp = False
+    # On CPU ranks Megatron DDP's distributed optimizer fails a torch.cuda type check (FINDINGS §2).
+    base.ddp.use_distributed_optimizer = False
+    return base
+
+
+def _assert_same_losses(actual, expected, rel_tol, what):
+    assert len(actual) == len(expected) == ITERS
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
+        same = a == e if rel_tol == 0 else math.isclose(a, e, rel_tol=rel_tol)
+        assert same, (
+            f"{what}: iteration {i} loss {a!r} != DDP baseline {e!r} (rel_tol {rel_tol}); "
+            f"all: {actual} vs {expected}"
+        )
+
+
+def _rel_tol(platform, strategy):
+    if platform != "cpu":
+        return GPU_RTOL
+    # 'optim' all-reduces gradients in Megatron-FSDP's own buffer layout: measured on CPU ranks,
+    # its losses differ from DDP's by a few float32 ulps (~5e-8 relative) from iteration 2 on.
+    return OPTIM_CPU_RTOL if strategy == "optim" else 0.0
+
+
+@pytest.fixture
+def ddp_losses(megatron_fsdp_run, run_config, dist_env):
+    run = megatron_fsdp_run(_ddp_baseline(run_config))
+    result = run.train(ITERS)
+    assert type(run.model).__name__ == "DistributedDataParallel"
+    run.close()  # one model-parallel state at a time; the next run re-initialises it, same seed
+    return result.losses
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize(
+    "strategy, overlap",
+    [
+        ("optim_grads_params", True),
+        ("optim_grads_params", False),
+        ("optim_grads", True),
+        ("optim_grads", False),
+        ("optim", True),
+        ("optim", False),
+    ],
+)
+def test_strategy_matches_ddp_baseline(
+    request, megatron_fsdp_run, run_config, dist_env, ddp_losses, strategy, overlap
+):
+    if strategy == "optim" and overlap and dist_env.platform == "cpu":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=OPTIM_OVERLAP_CPU_MISMATCH))
+    run_config.ddp.data_parallel_sharding_strategy = strategy
+    run_config.ddp.overlap_grad_reduce = overlap
+    run_config.ddp.overlap_param_gather = overlap
+    run = megatron_fsdp_run(run_config)
+    result = run.train(ITERS)
+    assert_megatron_fsdp_sharded(run.model)
+    _assert_same_losses(
+        result.losses, ddp_losses, _rel_tol(dist_env.platform, strategy), f"{strategy} overlap={overlap}"
+    )
+    assert_loss_decreased(result)
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_no_shard(request, megatron_fsdp_run, run_config, dist_env, ddp_losses, overlap):
+    if not overlap and versions.no_shard_param_sync_bug():
+        request.applymarker(pytest.mark.xfail(strict=True, reason=versions.NO_SHARD_PARAM_SYNC_BUG))
+    run_config.ddp.data_parallel_sharding_strategy = "no_shard"
+    run_config.ddp.overlap_grad_reduce = overlap
+    run_config.ddp.overlap_param_gather = overlap
+    result = megatron_fsdp_run(run_config).train(ITERS)
+    _assert_same_losses(result.losses, ddp_losses, _rel_tol(dist_env.platform, "no_shard"), "no_shard")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_gradient_accumulation_four_microbatches(megatron_fsdp_run, run_config):
+    run_config.train.num_microbatches = 4
+    run_config.train.global_batch_size = 4 * 2 * 2  # micro 2 (tiny) x 4 micro-batches x dp 2
+    run = megatron_fsdp_run(run_config)
+    result = run.train(ITERS)
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
+
+
+@pytest.mark.distributed(world_size=2, tp=2)
+def test_tensor_parallel_2(request, megatron_fsdp_run, run_config):
+    if versions.tensor_parallel_fsdp_needs_te():
+        request.applymarker(
+            pytest.mark.xfail(raises=TypeError, strict=True, reason=versions.TENSOR_PARALLEL_FSDP_TE_BUG)
+        )
+    assert run_config.model.tensor_model_parallel_size == 2
+    result = megatron_fsdp_run(run_config).train(ITERS)
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_bf16_trains_with_finite_loss(megatron_fsdp_run, run_config):
+    run_config.model.bf16 = True
+    run = megatron_fsdp_run(run_config)
+    assert type(run.model.module.module).__name__ == "Float16Module"  # FSDP(adapter) -> Float16Module
+    result = run.train(ITERS)
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_meta_device_init_trains_and_is_materialised(request, megatron_fsdp_run, run_config):
+    if versions.meta_init_unsupported_by_local_spec():
+        request.applymarker(
+            pytest.mark.xfail(raises=ValueError, strict=True, reason=versions.META_INIT_LOCAL_SPEC)
+        )
+    apply_perf_harness_overrides(run_config)
+    assert run_config.model.init_model_with_meta_device
+    run = megatron_fsdp_run(run_config)
+    assert not any(p.is_meta for p in run.model.parameters())
+    result = run.train(ITERS)
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_torch_fsdp2_wrapper_is_constructed_with_process_group(
+    request, megatron_fsdp_run, run_config, dist_env
+):
+    """Bridge #2785: Bridge passes pg_collection to TorchFullyShardedDataParallel (TypeError); the
+    harness passes process_group, so the wrapper must construct."""
+    if dist_env.platform == "cpu":
+        request.applymarker(pytest.mark.xfail(raises=TypeError, strict=True, reason=FSDP2_CPU_FAILURE))
+    run_config.dist.use_megatron_fsdp = False
+    run_config.ddp.use_megatron_fsdp = False
+    run_config.dist.use_torch_fsdp2 = True
+    run = megatron_fsdp_run(run_config)
+    assert type(run.model).__name__ == "TorchFullyShardedDataParallel"
