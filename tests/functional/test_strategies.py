@@ -176,3 +176,27 @@ def test_torch_fsdp2_wrapper_is_constructed_with_process_group(
     run_config.dist.use_torch_fsdp2 = True
     run = megatron_fsdp_run(run_config)
     assert type(run.model).__name__ == "TorchFullyShardedDataParallel"
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.mfsdp_config(
+    use_megatron_fsdp=False, set=["train.train_iters=3", "ddp.overlap_grad_reduce=false"]
+)
+def test_config_marker_reaches_run_config_and_picks_the_wrapper(megatron_fsdp_run, run_config, dist_env):
+    assert not run_config.dist.use_megatron_fsdp and not run_config.ddp.use_megatron_fsdp
+    assert run_config.train.train_iters == 3 and run_config.ddp.overlap_grad_reduce is False
+    run = megatron_fsdp_run(run_config)
+    assert type(run.model).__name__ == "DistributedDataParallel"  # Bridge's _ddp_wrap fallback
+    assert len(run.train().losses) == 3
+
+
+@pytest.mark.distributed(world_size=2)
+def test_invalid_config_fails_before_the_model_is_built(megatron_fsdp_run, run_config, monkeypatch):
+    from pytest_megatron_fsdp import config, training
+
+    built = []
+    monkeypatch.setattr(training, "build_gpt", lambda *a: built.append(a))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(config.ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS='1'"):
+        megatron_fsdp_run(run_config)
+    assert built == []
