@@ -100,6 +100,10 @@ def transformer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> Tra
         # CPU ranks have no device to initialise on; GPUs initialise in place.
         use_cpu_initialization=env.platform == "cpu",
         sequence_parallel=False,
+        # The layers come from get_gpt_layer_local_spec. Saying so matters to FSDP2's wrapper: with
+        # the default 'transformer_engine' it also fully_shards ColumnParallelLinear modules nested
+        # in already-sharded TransformerLayers, whose DTensor params torch's fully_shard rejects.
+        transformer_impl="local",
     )
     if preset.swiglu:
         fields["activation_func"] = torch.nn.functional.silu

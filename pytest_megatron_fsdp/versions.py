@@ -113,7 +113,7 @@ META_INIT_LOCAL_SPEC = (
     "init_model_with_meta_device=True needs every module to have reset_parameters: Megatron-FSDP "
     "materialises meta parameters by calling it per module; this megatron-core's local "
     "(non-Transformer-Engine) VocabParallelEmbedding has none, so the wrapper raises ValueError. "
-    "The Transformer Engine layer spec (GPUs) does not have this gap"
+    "Not checked with the Transformer Engine layer spec (no GPU or TE in this session)"
 )
 
 
@@ -124,4 +124,24 @@ def meta_init_unsupported_by_local_spec() -> bool:
 
     return not any(
         hasattr(VocabParallelEmbedding, name) for name in ("reset_parameters", "_reset_parameters")
+    )
+
+
+FSDP2_FINISH_GRAD_SYNC_BUG = (
+    "upstream API mismatch: megatron's finalize_model_grads calls "
+    "model_chunk.finish_grad_sync(force_all_reduce=...), but TorchFullyShardedDataParallel inherits "
+    "_BaseDataParallel.finish_grad_sync(self), which takes no such argument -> TypeError after the first "
+    "backward. FSDP2 therefore cannot train through Megatron's schedule on this megatron-core"
+)
+
+
+def fsdp2_finish_grad_sync_bug() -> bool:
+    """Feature check (imports megatron; call inside a rank): does FSDP2's ``finish_grad_sync`` lack
+    the ``force_all_reduce`` argument that ``finalize_model_grads`` passes?"""
+    import inspect
+
+    from megatron.core.distributed import TorchFullyShardedDataParallel
+
+    return (
+        "force_all_reduce" not in inspect.signature(TorchFullyShardedDataParallel.finish_grad_sync).parameters
     )

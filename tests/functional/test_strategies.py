@@ -26,14 +26,6 @@ OPTIM_OVERLAP_CPU_MISMATCH = (
     "difference; with overlap off it matches to ~5e-8). Not diagnosed; an asynchronous gradient "
     "all-reduce read before it completes (CUDA stream waits are no-ops on CPU ranks) is one suspect"
 )
-FSDP2_CPU_FAILURE = (
-    "measured on CPU ranks (torch 2.13.0, megatron-core 0.16.1): the call gets past Bridge #2785 "
-    "(process_group is accepted), then torch's fully_shard -> FSDPParam._init_sharding_spec_tp -> "
-    "DeviceMesh._concatenate raises 'Invariant encountered: value was None': a parameter reaches "
-    "fully_shard already as a DTensor, and megatron's DeviceMesh.from_group(group, 'cuda') mesh has no "
-    "mesh_dim_names, which this torch needs to concatenate meshes. Not CPU-specific code; whether a GPU "
-    "with this torch fails the same way is not verified (no GPU in this session)"
-)
 #: GPUs: reduce-scatter vs all-reduce and bf16 kernels reorder sums; fp32 CPU ranks are exact.
 GPU_RTOL = 1e-4
 OPTIM_CPU_RTOL = 1e-6
@@ -163,19 +155,38 @@ def test_meta_device_init_trains_and_is_materialised(request, megatron_fsdp_run,
     assert_loss_decreased(result)
 
 
+def _fsdp2(cfg):
+    cfg.dist.use_megatron_fsdp = False
+    cfg.ddp.use_megatron_fsdp = False
+    cfg.dist.use_torch_fsdp2 = True
+    return cfg
+
+
 @pytest.mark.distributed(world_size=2)
-def test_torch_fsdp2_wrapper_is_constructed_with_process_group(
-    request, megatron_fsdp_run, run_config, dist_env
-):
+def test_torch_fsdp2_wrapper_is_constructed_with_process_group(megatron_fsdp_run, run_config):
     """Bridge #2785: Bridge passes pg_collection to TorchFullyShardedDataParallel (TypeError); the
-    harness passes process_group, so the wrapper must construct."""
-    if dist_env.platform == "cpu":
-        request.applymarker(pytest.mark.xfail(raises=TypeError, strict=True, reason=FSDP2_CPU_FAILURE))
-    run_config.dist.use_megatron_fsdp = False
-    run_config.ddp.use_megatron_fsdp = False
-    run_config.dist.use_torch_fsdp2 = True
-    run = megatron_fsdp_run(run_config)
+    harness passes process_group, so the wrapper constructs, and torch's fully_shard shards it."""
+    from torch.distributed.tensor import DTensor
+
+    run = megatron_fsdp_run(_fsdp2(run_config))
     assert type(run.model).__name__ == "TorchFullyShardedDataParallel"
+    params = list(run.model.parameters())
+    assert params and all(isinstance(p, DTensor) for p in params)
+    assert sum(p.to_local().numel() for p in params) < sum(p.numel() for p in params)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_torch_fsdp2_trains(request, megatron_fsdp_run, run_config):
+    if versions.fsdp2_finish_grad_sync_bug():
+        request.applymarker(
+            pytest.mark.xfail(raises=TypeError, strict=True, reason=versions.FSDP2_FINISH_GRAD_SYNC_BUG)
+        )
+    # Tied embeddings: the output layer would use the embedding's sharded DTensor weight outside
+    # its FSDP unit ("mixed torch.Tensor and DTensor", measured); Bridge's reference model unties them.
+    run_config.model.overrides["untie_embeddings_and_output_weights"] = True
+    result = megatron_fsdp_run(_fsdp2(run_config)).train(ITERS)
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
 
 
 @pytest.mark.distributed(world_size=2)
