@@ -302,7 +302,9 @@ class TrainingRun:
 
         def loss_func(output_tensor: torch.Tensor):
             loss = (output_tensor.float().view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
-            return loss, {"lm loss": loss.detach()}
+            # clone: Megatron's schedule divides the returned loss by num_microbatches in place,
+            # which would shrink a detached view of it too (the logged loss would read 1/n).
+            return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 
