@@ -90,8 +90,10 @@ class Controller:
             args += ["-W", warning]
         for option in options.OPTIONS.values():
             value = getattr(opt, option.dest, None)
-            if value is not None and option.name not in ("platform", "log-dir"):
-                args.append(f"{option.flag}={value}")
+            if value is None or option.name in ("platform", "log-dir"):
+                continue
+            for one in value if option.multiple else [value]:
+                args.append(f"{option.flag}={one}")
         # The parent decided the platform once; every rank set uses that decision.
         args.append(f"--mfsdp-platform={self.platforms[world_size]}")
         return args

@@ -62,7 +62,7 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     The preset is ``--mfsdp-preset`` or the platform's default (tiny on CPU, the Bridge reference
     model on GPUs); tp/pp/cp follow the test's marker.
     """
-    from .config import enable_megatron_fsdp
+    from .config import ConfigError, disable_megatron_fsdp, enable_megatron_fsdp
     from .options import resolve
 
     marker = distributed_marker(request.node)
@@ -71,6 +71,19 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     cfg.model.tensor_model_parallel_size = marker.tp
     cfg.model.pipeline_model_parallel_size = marker.pp
     cfg.model.context_parallel_size = marker.cp
+    # --mfsdp-use-megatron-fsdp / --mfsdp-set, or @pytest.mark.mfsdp_config(use_megatron_fsdp=, set=)
+    config_marker = request.node.get_closest_marker("mfsdp_config")
+    kwargs = dict(config_marker.kwargs) if config_marker else {}
+    if not resolve(request.config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")):
+        disable_megatron_fsdp(cfg)
+        if megatron_parallel.platform == "cpu":
+            # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks.
+            cfg.ddp.use_distributed_optimizer = False
+    for assignment in resolve(request.config, "set", kwargs.get("set")):
+        try:
+            cfg.assign(assignment)
+        except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
+            pytest.fail(f"{request.node.nodeid}: mfsdp_config marker: {exc}", pytrace=False)
     return cfg
 
 

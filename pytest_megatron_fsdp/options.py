@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from .config import ConfigError, RunConfig, parse_value
 from .presets import PRESETS
 
 PREFIX = "mfsdp"
@@ -44,6 +45,23 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _assignment(text: str) -> str:
+    """``section.field=value``: the field must exist and the value fit its type (checked on a scratch
+    config; cross-field rules run when the run is built, on every rank, before the model)."""
+    try:
+        RunConfig().assign(text)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return text
+
+
+def _boolean(text: str) -> bool:
+    try:
+        return parse_value(text, (bool,))
+    except ValueError:
+        raise ValueError("choose true or false") from None
+
+
 @dataclass(frozen=True)
 class Option:
     name: str  # e.g. "platform": --mfsdp-platform, MFSDP_PLATFORM, mfsdp_platform
@@ -51,6 +69,8 @@ class Option:
     parse: Callable[[str], Any]
     default: Any = None
     metavar: str | None = None
+    #: repeatable (``--flag a --flag b``; env: ``;``-separated; ini: one per line); resolves to a tuple
+    multiple: bool = False
 
     @property
     def flag(self) -> str:
@@ -114,6 +134,24 @@ OPTIONS: dict[str, Option] = {
             120.0,
             "SECONDS",
         ),
+        Option(
+            "set",
+            "set a run-config field for every test, Bridge's names: section.field=value, e.g. "
+            "ddp.data_parallel_sharding_strategy=optim_grads (repeatable; env: ';'-separated; "
+            "ini: one per line). Applied to the run_config fixture before the test body runs",
+            _assignment,
+            (),
+            "SECTION.FIELD=VALUE",
+            multiple=True,
+        ),
+        Option(
+            "use-megatron-fsdp",
+            "the seed's --use_megatron_fsdp: true (default) wraps with Megatron-FSDP "
+            "(enable_megatron_fsdp), false with Megatron DDP",
+            _boolean,
+            True,
+            "true|false",
+        ),
     )
 }
 
@@ -125,8 +163,19 @@ class OptionError(pytest.UsageError):
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("megatron-fsdp", "Megatron-FSDP distributed testing")
     for option in OPTIONS.values():
-        group.addoption(option.flag, dest=option.dest, default=None, metavar=option.metavar, help=option.help)
-        parser.addini(option.ini, f"default for {option.flag} (env {option.env} wins over it)")
+        group.addoption(
+            option.flag,
+            dest=option.dest,
+            default=None,
+            metavar=option.metavar,
+            help=option.help,
+            action="append" if option.multiple else "store",
+        )
+        parser.addini(
+            option.ini,
+            f"default for {option.flag} (env {option.env} wins over it)",
+            type="linelist" if option.multiple else None,
+        )
     # Internal: how a rank set launched by the plugin (plain-pytest mode) talks to its parent.
     group.addoption("--mfsdp-report-file", dest="mfsdp_report_file", default=None, help=argparse.SUPPRESS)
     group.addoption("--mfsdp-batch-file", dest="mfsdp_batch_file", default=None, help=argparse.SUPPRESS)
@@ -135,6 +184,8 @@ def add_options(parser: pytest.Parser) -> None:
 def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:
     """The option's value by precedence marker > CLI > env > ini > default, parsed and checked."""
     option = OPTIONS[name]
+    if option.multiple:
+        return _resolve_multiple(config, option, marker_value)
     if marker_value is not None:
         return _parse(option, marker_value, "marker kwarg")
     # Before pytest_configure only the early parse (known_args_namespace) holds the flags.
@@ -149,6 +200,26 @@ def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:
         if raw is not None:
             return _parse(option, raw, source)
     return option.default
+
+
+def _resolve_multiple(config: pytest.Config, option: Option, marker_value: Any) -> tuple[Any, ...]:
+    """A repeatable option: the highest-precedence source that gives any value gives all of them."""
+    if marker_value is not None:
+        items = [marker_value] if isinstance(marker_value, str) else list(marker_value)
+        return tuple(_parse(option, item, "marker kwarg") for item in items)
+    cli = getattr(config.option, option.dest, None)
+    if cli is None:
+        cli = getattr(config.known_args_namespace, option.dest, None)
+    env = [item for item in os.environ.get(option.env, "").split(";") if item.strip()]
+    ini = [item for item in config.getini(option.ini) if item.strip()]
+    for source, items in (
+        (option.flag, cli or []),
+        (f"environment variable {option.env}", env),
+        (f"ini option {option.ini}", ini),
+    ):
+        if items:
+            return tuple(_parse(option, item, source) for item in items)
+    return tuple(option.default or ())
 
 
 def _parse(option: Option, raw: Any, source: str) -> Any:

@@ -64,6 +64,11 @@ def pytest_configure(config: pytest.Config) -> None:
         f"{MARKER}(world_size=2, tp=1, pp=1, cp=1, timeout=None): run the test on world_size ranks "
         "(torchrun); tp/pp/cp are Megatron's model-parallel sizes for the test; timeout in seconds",
     )
+    config.addinivalue_line(
+        "markers",
+        "mfsdp_config(use_megatron_fsdp=None, set=()): run_config overrides for one test "
+        "(wins over --mfsdp-use-megatron-fsdp / --mfsdp-set)",
+    )
     config.stash[OPTIONS] = options.check_all(config)
     config.stash[SESSION] = None
     torchrun = TorchrunEnv.from_environ()

@@ -319,6 +319,11 @@ def merge_reports(
                 parts.append(f"---------- rank {rank} (log: {log_dir / f'rank{rank}.log'}) ----------")
                 parts.append(phase[rank].get("text", ""))
             report.longrepr = "\n".join(parts)
+        elif worst == "skipped" and base is not None and hasattr(base, "wasxfail"):
+            # an expected failure (xfail) is reported as pytest reports it: the reason in
+            # `wasxfail`, the failure's own traceback as longrepr
+            report.wasxfail = base.wasxfail
+            report.longrepr = base.longrepr
         elif worst == "skipped":
             skipping = sorted(r for r, p in phase.items() if p["outcome"] == "skipped")
             reason = phase[skipping[0]].get("text", "skipped")

@@ -6,8 +6,11 @@ runs a distributed test (after the CPU emulation, when there is one, is in place
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,9 +27,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
-from .config import RunConfig, validate
+from .config import TRANSFORMER_FIELDS, ConfigError, ConfigWarning, RunConfig, validate
 from .environment import DistEnv
 from .presets import ModelPreset
 from .results import TrainResult
@@ -80,32 +84,65 @@ def transformer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> Tra
         # CPU ranks have no device to initialise on; GPUs initialise in place.
         use_cpu_initialization=env.platform == "cpu",
         sequence_parallel=False,
+        # The layers come from get_gpt_layer_local_spec. Saying so matters to FSDP2's wrapper: with
+        # the default 'transformer_engine' it also fully_shards ColumnParallelLinear modules nested
+        # in already-sharded TransformerLayers, whose DTensor params torch's fully_shard rejects.
+        transformer_impl="local",
     )
     if preset.swiglu:
         fields["activation_func"] = torch.nn.functional.silu
+    fields.update({name: getattr(cfg.model, name) for name in TRANSFORMER_FIELDS})
     fields.update(preset.transformer_overrides)
+    _check_field_names("model", preset.transformer_overrides, TransformerConfig)
     return TransformerConfig(**fields)
+
+
+def _check_field_names(section: str, given: dict[str, Any], config_class: type) -> None:
+    """Free-form fields must exist on megatron's dataclass (a typo must not pass silently)."""
+    known = {f.name for f in dataclasses.fields(config_class)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown config field {section}.{unknown[0]}: megatron-core's {config_class.__name__} has "
+            "no such field; check the spelling"
+        )
 
 
 def ddp_config(cfg: RunConfig, env: DistEnv) -> DistributedDataParallelConfig:
     d = cfg.ddp
-    fields: dict[str, Any] = dict(
-        use_megatron_fsdp=d.use_megatron_fsdp,
-        data_parallel_sharding_strategy=d.data_parallel_sharding_strategy,
+    fsdp = cfg.uses_megatron_fsdp
+    fields: dict[str, Any] = {
+        f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name not in ("extra",)
+    }
+    fields.update(
+        use_megatron_fsdp=fsdp,
         # Megatron-FSDP forces both (Megatron's arguments.py); validate() says so when it applies.
-        average_in_collective=d.average_in_collective and not d.use_megatron_fsdp,
-        use_distributed_optimizer=d.use_distributed_optimizer or d.use_megatron_fsdp,
-        overlap_grad_reduce=d.overlap_grad_reduce,
-        overlap_param_gather=d.overlap_param_gather,
-        grad_reduce_in_fp32=d.grad_reduce_in_fp32,
-        check_for_nan_in_grad=d.check_for_nan_in_grad,
-        keep_fp8_transpose_cache=d.keep_fp8_transpose_cache,
+        average_in_collective=d.average_in_collective and not fsdp,
+        use_distributed_optimizer=_uses_distributed_optimizer(cfg, env),
     )
-    if env.platform == "cpu":
+    if d.gradient_reduce_div_fusion is None:
         # gloo has no ReduceOp.PREMUL_SUM, which the fused divide uses.
-        fields["gradient_reduce_div_fusion"] = False
+        fields["gradient_reduce_div_fusion"] = env.platform != "cpu"
     fields.update(d.extra)
-    return DistributedDataParallelConfig(**fields)
+    config_class: type = DistributedDataParallelConfig
+    if cfg.dist.use_torch_fsdp2:
+        from megatron.core.distributed import TorchFullyShardedDataParallelConfig
+
+        config_class = TorchFullyShardedDataParallelConfig
+    _check_field_names("ddp", d.extra, config_class)
+    return config_class(**fields)
+
+
+def _is_plain_ddp(cfg: RunConfig) -> bool:
+    return not cfg.uses_megatron_fsdp and not cfg.dist.use_torch_fsdp2
+
+
+def _uses_distributed_optimizer(cfg: RunConfig, env: DistEnv) -> bool:
+    if cfg.uses_megatron_fsdp:
+        return True  # Megatron-FSDP requires it (validate() warns when the config said otherwise)
+    if cfg.dist.use_torch_fsdp2:
+        return False  # FSDP2 shards the parameters itself; Megatron pairs it with the plain optimizer
+    return cfg.ddp.use_distributed_optimizer
 
 
 def optimizer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> OptimizerConfig:
@@ -126,22 +163,18 @@ def optimizer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> Optim
         clip_grad=clip_grad,
         bf16=preset.bf16,
         params_dtype=torch.bfloat16 if preset.bf16 else torch.float32,
-        use_distributed_optimizer=cfg.ddp.use_distributed_optimizer or cfg.ddp.use_megatron_fsdp,
+        use_distributed_optimizer=_uses_distributed_optimizer(cfg, env),
     )
 
 
 def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
     config = transformer_config(cfg, preset, env)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=preset.normalization),
-        vocab_size=preset.padded_vocab_size,
-        max_sequence_length=preset.seq_length,
-        share_embeddings_and_output_weights=not preset.untie_embeddings_and_output_weights,
-        position_embedding_type=preset.position_embedding_type,
-        rotary_base=preset.rotary_base,
-    )
-    if env.platform == "cuda":
+    # Meta-device init (Bridge's perf harness): parameters are materialised by Megatron-FSDP,
+    # unit by unit, when it wraps the model (reset_parameters on the target device).
+    meta = torch.device("meta") if cfg.model.init_model_with_meta_device else contextlib.nullcontext()
+    with meta:
+        model = _gpt_model(config, preset)
+    if env.platform == "cuda" and not cfg.model.init_model_with_meta_device:
         model.cuda(env.device)
     if preset.bf16:
         # Megatron training wraps half-precision models before the data-parallel wrapper.
@@ -151,15 +184,44 @@ def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
     return model
 
 
+def _gpt_model(config: TransformerConfig, preset: ModelPreset) -> GPTModel:
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=preset.normalization),
+        vocab_size=preset.padded_vocab_size,
+        max_sequence_length=preset.seq_length,
+        share_embeddings_and_output_weights=not preset.untie_embeddings_and_output_weights,
+        position_embedding_type=preset.position_embedding_type,
+        rotary_base=preset.rotary_base,
+    )
+
+
 def wrap_data_parallel(cfg: RunConfig, model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
     """Bridge's ``_ddp_wrap``: the data-parallel wrapper the config asks for."""
     config = model.config
     ddp_cfg = ddp_config(cfg, env)
-    if cfg.dist.use_megatron_fsdp:
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    if cfg.uses_megatron_fsdp:
         return FullyShardedDataParallel(
-            config=config, ddp_config=ddp_cfg, module=model, device=torch.device(env.device)
+            config=config,
+            ddp_config=ddp_cfg,
+            module=model,
+            device=torch.device(env.device),
+            pg_collection=pg_collection,
         )
-    return DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
+    if cfg.dist.use_torch_fsdp2:
+        from megatron.core.distributed import TorchFullyShardedDataParallel
+
+        # Takes process_group, not pg_collection: passing pg_collection is Bridge #2785's TypeError.
+        return TorchFullyShardedDataParallel(
+            config=config,
+            ddp_config=ddp_cfg,
+            module=model,
+            process_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        )
+    return DistributedDataParallel(
+        config=config, ddp_config=ddp_cfg, module=model, pg_collection=pg_collection
+    )
 
 
 def learnable_batch(
@@ -182,6 +244,19 @@ class TrainingRun:
 
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
         self.warnings = validate(cfg, env.world_size)
+        if cfg.dist.backend is not None and cfg.dist.backend != env.backend:
+            raise ConfigError(
+                f"dist.backend={cfg.dist.backend!r} but this session's process group uses "
+                f"{env.backend!r} (platform {env.platform}): set dist.backend=None or switch platform"
+            )
+        if env.platform == "cpu" and _is_plain_ddp(cfg) and cfg.ddp.use_distributed_optimizer:
+            raise ConfigError(
+                "ddp.use_distributed_optimizer=True with Megatron DDP on CPU ranks: megatron-core's "
+                "DDP + DistributedOptimizer path fails a torch.cuda type check on CPU; set "
+                "ddp.use_distributed_optimizer=False"
+            )
+        for message in self.warnings:
+            warnings.warn(message, ConfigWarning, stacklevel=2)
         self.cfg = cfg
         self.env = env
         self.preset = cfg.resolved_preset()
@@ -211,7 +286,9 @@ class TrainingRun:
 
         def loss_func(output_tensor: torch.Tensor):
             loss = (output_tensor.float().view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
-            return loss, {"lm loss": loss.detach()}
+            # clone: Megatron's schedule divides the returned loss by num_microbatches in place,
+            # which would shrink a detached view of it too (the logged loss would read 1/n).
+            return loss, {"lm loss": loss.detach().clone()}
 
         return output, loss_func
 

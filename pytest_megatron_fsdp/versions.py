@@ -29,6 +29,13 @@ def megatron_core_version() -> tuple[int, ...]:
     return _version_tuple(package_version("megatron-core"))
 
 
+TENSOR_PARALLEL_FSDP_TE_BUG = (
+    "megatron-core < 0.17 without Transformer Engine: FullyShardedDataParallel."
+    "_fix_tensor_parallel_attributes does isinstance(m, (TELinear,)) with TELinear None -> TypeError "
+    "for tp > 1 (upstream bug, gone in 0.19.2 where tp=2 trains; FINDINGS section 2)"
+)
+
+
 def tensor_parallel_fsdp_needs_te() -> bool:
     """megatron-core < 0.17 without Transformer Engine: FullyShardedDataParallel's
     ``_fix_tensor_parallel_attributes`` does ``isinstance(m, (TELinear,))`` with ``TELinear`` None,
@@ -40,3 +47,101 @@ def tensor_parallel_fsdp_needs_te() -> bool:
     except ImportError:
         return True
     return False
+
+
+#: megatron-core dataclasses whose field names the config checks, by the file that defines them
+_MEGATRON_CONFIG_SOURCES = {
+    "DistributedDataParallelConfig": ("distributed/distributed_data_parallel_config.py",),
+    "TransformerConfig": ("transformer/transformer_config.py", "model_parallel_config.py"),
+}
+
+
+def megatron_config_fields(class_name: str) -> frozenset[str] | None:
+    """Field names of the installed megatron-core's ``DistributedDataParallelConfig`` or
+    ``TransformerConfig`` (with ``ModelParallelConfig``), read from its source with ``ast``.
+
+    Importing megatron would import torch; the plugin checks ``--mfsdp-set`` at configure time,
+    before any rank work, so it reads the dataclass definitions instead. None when megatron-core
+    is not installed or its layout is unknown (the run then checks when it builds the configs).
+    """
+    import ast
+    from importlib import util
+
+    try:
+        spec = util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    names: set[str] = set()
+    classes = {class_name, "ModelParallelConfig"} if class_name == "TransformerConfig" else {class_name}
+    for relative in _MEGATRON_CONFIG_SOURCES[class_name]:
+        for root in spec.submodule_search_locations:
+            path = f"{root}/core/{relative}"
+            try:
+                with open(path, encoding="utf-8") as source:
+                    tree = ast.parse(source.read())
+            except OSError:
+                continue
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef) and node.name in classes:
+                    names.update(
+                        item.target.id
+                        for item in node.body
+                        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                    )
+            break
+    return frozenset(names) or None
+
+
+NO_SHARD_PARAM_SYNC_BUG = (
+    "megatron-core 0.16.1 upstream bug: with data_parallel_sharding_strategy='no_shard' and "
+    "overlap_param_gather=False, MegatronFSDP.start_param_sync (called by DistributedOptimizer."
+    "step_with_ready_grads) runs all_gather_pipeline.async_bucket_gather for every bucket before its "
+    "own 'model_weight_buffer is None: continue' check; no_shard has no model weight buffer, so "
+    "fetch_bucket is called on None. With overlap_param_gather=True the path is not taken and no_shard trains"
+)
+
+
+def no_shard_param_sync_bug() -> bool:
+    """``no_shard`` + ``overlap_param_gather=False`` fails in ``start_param_sync`` (see the message).
+    Verified on 0.16.1 only; on other versions the test runs and says so if it still fails."""
+    return megatron_core_version()[:2] == (0, 16)
+
+
+META_INIT_LOCAL_SPEC = (
+    "init_model_with_meta_device=True needs every module to have reset_parameters: Megatron-FSDP "
+    "materialises meta parameters by calling it per module; this megatron-core's local "
+    "(non-Transformer-Engine) VocabParallelEmbedding has none, so the wrapper raises ValueError. "
+    "Not checked with the Transformer Engine layer spec (no GPU or TE in this session)"
+)
+
+
+def meta_init_unsupported_by_local_spec() -> bool:
+    """Feature check, not a version number: does the local embedding lack ``reset_parameters``?
+    Imports megatron (call it inside a rank only)."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    return not any(
+        hasattr(VocabParallelEmbedding, name) for name in ("reset_parameters", "_reset_parameters")
+    )
+
+
+FSDP2_FINISH_GRAD_SYNC_BUG = (
+    "upstream API mismatch: megatron's finalize_model_grads calls "
+    "model_chunk.finish_grad_sync(force_all_reduce=...), but TorchFullyShardedDataParallel inherits "
+    "_BaseDataParallel.finish_grad_sync(self), which takes no such argument -> TypeError after the first "
+    "backward. FSDP2 therefore cannot train through Megatron's schedule on this megatron-core"
+)
+
+
+def fsdp2_finish_grad_sync_bug() -> bool:
+    """Feature check (imports megatron; call inside a rank): does FSDP2's ``finish_grad_sync`` lack
+    the ``force_all_reduce`` argument that ``finalize_model_grads`` passes?"""
+    import inspect
+
+    from megatron.core.distributed import TorchFullyShardedDataParallel
+
+    return (
+        "force_all_reduce" not in inspect.signature(TorchFullyShardedDataParallel.finish_grad_sync).parameters
+    )

@@ -75,6 +75,12 @@ def test_skips_on_rank1_only(dist_env):
 
 
 @two_ranks
+@pytest.mark.xfail(strict=True, reason="known upstream bug")
+def test_expected_failure_stays_an_xfail(dist_env):
+    assert dist_env.rank == 99
+
+
+@two_ranks
 def test_healthy_after_all_that(dist_env):
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -130,7 +136,7 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isola
     result = pytester.runpytest_subprocess("-rA", "--mfsdp-platform=cpu", "--junitxml=junit.xml", timeout=300)
     wall = time.monotonic() - started
     out = result.stdout.str()
-    result.assert_outcomes(passed=2, failed=6, skipped=1)
+    result.assert_outcomes(passed=2, failed=6, skipped=1, xfailed=1)
 
     result.stdout.fnmatch_lines(["*test_rank1_raises*", "*failed on rank 1 (passed on 0)*"])
     assert "RuntimeError: boom on rank 1" in out
@@ -156,7 +162,8 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isola
 
     # JUnit XML sees the same node ids and outcomes.
     junit = (pytester.path / "junit.xml").read_text()
-    assert junit.count("<testcase") == 9 and 'name="test_rank1_exits"' in junit
+    result.stdout.fnmatch_lines(["XFAIL*test_expected_failure_stays_an_xfail*known upstream bug*"])
+    assert junit.count("<testcase") == 10 and 'name="test_rank1_exits"' in junit
 
     # Nothing left running, nothing left in the temp dir.
     assert _processes_mentioning(str(pytester.path)) == []
