@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from . import options
+from .checkpoint_fixtures import checkpoint_dir  # noqa: F401  (fixtures)
 from .fixtures import dist_env, megatron_fsdp_run, run_config  # noqa: F401  (fixtures)
 from .platform import select_platform
 from .session import RankSession, TorchrunEnv
