@@ -26,6 +26,8 @@ and the ranks agree on the problems through one collective, so every rank raises
 and none waits for another.
 
 Trust: DCP's ``.metadata`` is a pickle. Load only checkpoints you (or your CI) wrote.
+
+megatron is imported where it is used, so the file checks work (and are unit-tested) with torch only.
 """
 
 from __future__ import annotations
@@ -43,10 +45,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron.core import tensor_parallel
-from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-    preprocess_state_dict_for_uneven_dtensor,
-)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -93,6 +91,15 @@ class SavedCheckpoint:
 
 # --------------------------------------------------------------------------------------------
 # agreement between ranks
+
+
+def _preprocess(state_dict: dict[str, Any]) -> None:
+    """Megatron-FSDP's chunk metadata for unevenly sharded DTensors (a collective per DTensor)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+
+    preprocess_state_dict_for_uneven_dtensor(state_dict)
 
 
 def _agree(local_problem: str | None) -> list[str]:
@@ -170,6 +177,8 @@ def _rank_state(run: TrainingRun) -> dict[str, torch.Tensor]:
     assert np_name == "MT19937", np_name
     if run.env.platform == "cuda":
         state["torch_cuda"] = torch.cuda.get_rng_state()
+    from megatron.core import tensor_parallel
+
     for name, tracker_state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
         state[f"tracker.{name}"] = tracker_state.cpu()
     return state
@@ -189,6 +198,8 @@ def _set_rank_state(run: TrainingRun, state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["torch_cuda"])
     tracker = {k[len("tracker.") :]: v for k, v in state.items() if k.startswith("tracker.")}
     if tracker:
+        from megatron.core import tensor_parallel
+
         tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
     run.load_data_stream_state(state["data_stream"])
 
@@ -366,7 +377,7 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
     # rank's write result, so a failure on one rank raises on all of them.
     if not problems:
         try:
-            preprocess_state_dict_for_uneven_dtensor(state_dict)
+            _preprocess(state_dict)
             dcp.save(state_dict, checkpoint_id=tmp_dir)
         except _FAILURES as exc:
             problem = f"rank {run.env.rank}: writing the shards failed: {_describe(exc)}"
@@ -504,7 +515,7 @@ def load_checkpoint(
     optimizer_state: dict[str, Any] = {}
     try:
         state_dict, optimizer_state = _dcp_state_dict(run, is_loading=True)
-        preprocess_state_dict_for_uneven_dtensor(state_dict)
+        _preprocess(state_dict)
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: preparing the load failed: {_describe(exc)}"
     _raise_if_any(_agree(problem), f"loading {iter_dir} failed")
