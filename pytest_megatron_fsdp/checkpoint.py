@@ -535,6 +535,9 @@ def load_checkpoint(
         _set_rank_state(run, state_dict["rng_state"][f"rank_{run.env.rank}"])
         train_state = torch.load(iter_dir / TRAIN_STATE_FILE, weights_only=True)
         run.iteration = int(train_state["iteration"])
+        scheduler = getattr(run, "scheduler", None)
+        if scheduler is not None and train_state.get("scheduler") is not None:
+            scheduler.load_state_dict(train_state["scheduler"])
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: {_describe(exc)}"
     _raise_if_any(_agree(problem), f"loading {iter_dir} failed")
