@@ -108,7 +108,12 @@ def test_no_shard_trains_without_param_gather_overlap(megatron_fsdp_run, run_con
 # 2 + 3: loaded weights are live; resuming is invisible
 
 
-def test_loaded_weights_are_live_before_the_first_step(megatron_fsdp_run, run_config, checkpoint_dir):
+# optim_grads_params gathers sharded weights into buckets (reset after a load); no_shard has none.
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_loaded_weights_are_live_before_the_first_step(
+    megatron_fsdp_run, run_config, checkpoint_dir, strategy
+):
+    run_config.ddp.data_parallel_sharding_strategy = strategy
     run = megatron_fsdp_run(run_config)
     run.train(5)
     save_checkpoint(run, checkpoint_dir)
