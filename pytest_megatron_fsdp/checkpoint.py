@@ -174,7 +174,8 @@ def _rank_state(run: TrainingRun) -> dict[str, torch.Tensor]:
         "numpy_meta": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
         "data_stream": run.data_stream_state(),
     }
-    assert np_name == "MT19937", np_name
+    if np_name != "MT19937":  # the only bit generator np.random's legacy state API has
+        raise CheckpointError(f"numpy's global RNG is {np_name!r}, not MT19937: cannot save its state")
     if run.env.platform == "cuda":
         state["torch_cuda"] = torch.cuda.get_rng_state()
     from megatron.core import tensor_parallel

@@ -9,10 +9,12 @@ attention kernels may reduce in a different order from one process to the next.
 from __future__ import annotations
 
 import os
+import random
 import stat
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,6 +43,15 @@ def _other_seed(cfg):
     other = cfg.copy()
     other.train.seed = cfg.train.seed + 1
     return other
+
+
+def _rngs() -> tuple:
+    """This process's global RNG states (torch, Python, NumPy), comparable with ==."""
+    return (
+        torch.get_rng_state().tolist(),
+        random.getstate(),
+        np.random.get_state()[1].tolist(),
+    )
 
 
 def _same_everywhere(value) -> list:
@@ -78,13 +89,16 @@ def test_round_trip_restores_every_tensor_exactly(megatron_fsdp_run, run_config,
     saved = save_checkpoint(run, checkpoint_dir)
     assert saved.iteration == 3
     expected = state_snapshot(run)
+    expected_rngs = _rngs()
     assert any(k.startswith("optimizer.") for k in expected), "no optimizer state to compare"
 
     fresh = megatron_fsdp_run(_other_seed(run_config))
     fresh.train(1)  # its own Adam state exists, so the load must overwrite it, not create it
     assert_states_differ(expected, state_snapshot(fresh))
 
+    assert _rngs() != expected_rngs  # the fresh run seeded them differently
     assert load_checkpoint(fresh, checkpoint_dir) == 3
+    assert _rngs() == expected_rngs
     assert fresh.iteration == 3
     assert_states_equal(expected, state_snapshot(fresh))
 
