@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from . import options
+from .checkpoint_fixtures import checkpoint_dir  # noqa: F401  (fixtures)
 from .controller import Controller, log_dir, plan_platforms, remember_items
 from .fixtures import dist_env, megatron_fsdp_run, megatron_parallel, run_config  # noqa: F401  (fixtures)
 from .platform import select_platform

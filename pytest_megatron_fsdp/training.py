@@ -362,6 +362,27 @@ class TrainingRun:
     def close(self) -> None:
         destroy_model_parallel()
 
+    # Checkpointing (pytest_megatron_fsdp.checkpoint): the data stream's position is part of the
+    # saved train state, so a resumed run draws the batches the uninterrupted one would have.
+    def data_stream_state(self) -> torch.Tensor:
+        """The data generator's state (a uint8 tensor): where this rank's data stream stands."""
+        return self._generator.get_state()
+
+    def load_data_stream_state(self, state: torch.Tensor) -> None:
+        self._generator.set_state(state)
+
+    def save_checkpoint(self, save_dir: Any = None) -> Any:
+        """``checkpoint.save_checkpoint(self, save_dir)``: an fsdp_dtensor checkpoint, every rank calls it."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir)
+
+    def load_checkpoint(self, load_dir: Any = None, iteration: int | None = None) -> int:
+        """``checkpoint.load_checkpoint(self, load_dir)``: returns the loaded iteration."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, iteration)
+
 
 def is_finite(value: float) -> bool:
     return math.isfinite(value)

@@ -23,8 +23,14 @@ ITERS = 6
 OPTIM_OVERLAP_CPU_MISMATCH = (
     "measured on CPU ranks, megatron-core 0.16.1: 'optim' with overlap_grad_reduce=True departs from "
     "DDP at iteration 2 (4.809291 vs 4.809149, ~3e-5 relative; overlap_param_gather on or off makes no "
-    "difference; with overlap off it matches to ~5e-8). Not diagnosed; an asynchronous gradient "
-    "all-reduce read before it completes (CUDA stream waits are no-ops on CPU ranks) is one suspect"
+    "difference; with overlap off it matches to ~5e-8; the gap grows: 4.5640 vs 4.5508 at iteration 4, "
+    "untied embeddings too). Likely cause, read in megatron_fsdp/param_and_grad_buffer.py "
+    "(_bucket_group_gradient_reduce): the overlapped path reduce-scatters each bucket into a fresh "
+    "tensor and then does `local_grad += reduced_grad` into get_shard_from_local_buffer(), which for "
+    "'optim' (gradients not sharded) is a slice of the same buffer that still holds this rank's "
+    "unreduced gradient, so that shard counts its own rank twice; the synchronous path reduce-scatters "
+    "in place. Plain tensor code, all collectives there are synchronous on CPU ranks, so not a CPU "
+    "artefact as far as read; not verified on GPU"
 )
 #: GPUs: reduce-scatter vs all-reduce and bf16 kernels reorder sums; fp32 CPU ranks are exact.
 GPU_RTOL = 1e-4

@@ -1,0 +1,116 @@
+"""Plugin save+load against a bare torch.distributed.checkpoint save+load of the same state dict.
+
+Run on 2 ranks (CPU ranks over gloo here, GPUs over NCCL where there are two)::
+
+    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 bench/bench_checkpoint.py
+
+Both sides save and load the same fsdp_dtensor state dict (model DTensors, the optimizer's
+fsdp_dtensor state, per-rank RNG state); the plugin adds what makes it safe: config validation,
+file checks before the load, the collectives that agree on every outcome, fsync, the temp
+directory and its rename, the train-state file and the tracker, Megatron-FSDP's post-load hook.
+Each round's time is the slowest rank's; rank 0 prints medians and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--preset", default=None, help="model preset (default: the platform's)")
+    parser.add_argument("--platform", default="auto", choices=("auto", "cpu", "cuda"))
+    args = parser.parse_args()
+
+    from pytest_megatron_fsdp.platform import select_platform
+    from pytest_megatron_fsdp.session import RankSession, TorchrunEnv
+
+    torchrun = TorchrunEnv.from_environ()
+    if torchrun is None:
+        raise SystemExit("run under python -m torch.distributed.run --nproc_per_node=2")
+    choice = select_platform(args.platform, torchrun.local_world_size)
+    if choice.platform == "cpu":
+        from pytest_megatron_fsdp import cuda_emulation
+
+        cuda_emulation.enable()  # before anything imports megatron
+    session = RankSession.start(torchrun, choice, pg_timeout_s=120)
+    try:
+        _bench(session.env, args)
+    finally:
+        session.close()
+
+
+def _bench(env, args) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from pytest_megatron_fsdp import checkpoint as ckpt
+    from pytest_megatron_fsdp.config import RunConfig, enable_megatron_fsdp
+    from pytest_megatron_fsdp.presets import DEFAULT_PRESET
+    from pytest_megatron_fsdp.training import TrainingRun
+
+    cfg = enable_megatron_fsdp(RunConfig())
+    cfg.model.preset = args.preset or DEFAULT_PRESET[env.platform]
+    run = TrainingRun(cfg, env)
+    run.train(2)
+
+    names = [tempfile.mkdtemp(prefix="mfsdp-bench-") if env.rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    root = Path(names[0])
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=env.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def plugin_round() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        ckpt.save_checkpoint(run, root / "plugin")
+        ckpt.load_checkpoint(run, root / "plugin")
+        return slowest(time.perf_counter() - start)
+
+    def bare_round() -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        state_dict, _ = ckpt._dcp_state_dict(run, is_loading=False)
+        ckpt._preprocess(state_dict)
+        dcp.save(state_dict, checkpoint_id=root / "bare")
+        state_dict, _ = ckpt._dcp_state_dict(run, is_loading=True)
+        ckpt._preprocess(state_dict)
+        dcp.load(state_dict, checkpoint_id=root / "bare")
+        return slowest(time.perf_counter() - start)
+
+    try:
+        plugin_round(), bare_round()  # warm-up: first-call imports and allocations
+        plugin_s, bare_s = [], []
+        for _ in range(args.rounds):  # interleaved, so drift hits both sides alike
+            plugin_s.append(plugin_round())
+            bare_s.append(bare_round())
+    finally:
+        dist.barrier()
+        size = sum(p.stat().st_size for p in (root / "plugin").rglob("*") if p.is_file())
+        if env.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        run.close()
+
+    if env.rank == 0:
+        plugin_med, bare_med = statistics.median(plugin_s), statistics.median(bare_s)
+        print(
+            f"checkpoint bench: platform={env.platform}, preset={cfg.model.preset}, "
+            f"world_size={env.world_size}, rounds={args.rounds}" + (f", {size} bytes" if size else "")
+        )
+        print(f"  plugin save+load : median {1000 * plugin_med:8.1f} ms  (min {1000 * min(plugin_s):.1f})")
+        print(f"  bare DCP save+load: median {1000 * bare_med:8.1f} ms  (min {1000 * min(bare_s):.1f})")
+        print(f"  ratio plugin/bare: {plugin_med / bare_med:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
