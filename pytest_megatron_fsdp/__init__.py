@@ -19,6 +19,14 @@ _LAZY = {
     "assert_loss_decreased": "assertions",
     "assert_megatron_fsdp_sharded": "assertions",
     "TrainingRun": "training",
+    "CheckpointError": "checkpoint",
+    "SavedCheckpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "checkpoint_problems": "checkpoint",
+    "state_snapshot": "checkpoint",
+    "assert_states_equal": "checkpoint",
+    "assert_states_differ": "checkpoint",
     "TrainResult": "results",
 }
 
