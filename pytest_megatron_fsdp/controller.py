@@ -9,6 +9,7 @@ rest of the batch continues in a fresh rank set.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 import time
@@ -61,12 +62,17 @@ class Controller:
         ]
         files = list(dict.fromkeys(str(i.path) for i in batch))
         self._batches += 1
+        logs = log_dir(self.config, f"batch{self._batches}-world{world_size}")
+        if self._batches == 1:
+            # the previous session's rank-set logs: this session's replace them
+            for old in logs.parent.glob("batch*-world*"):
+                shutil.rmtree(old, ignore_errors=True)
         rank_set = RankSet(
             world_size,
             [i.nodeid for i in batch],
             files,
             self._pytest_args(world_size),
-            log_dir(self.config, f"batch{self._batches}-world{world_size}"),
+            logs,
             self.config.invocation_params.dir,
         )
         self.active[world_size] = rank_set

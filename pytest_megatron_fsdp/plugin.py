@@ -132,7 +132,7 @@ def _plan_plain_session(session: pytest.Session) -> None:
     config = session.config
     remember_items(config, session.items)
     distributed = [i for i in session.items if i.get_closest_marker(MARKER) is not None]
-    if not distributed or config.option.collectonly:
+    if not distributed:
         return
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     lines = plan_platforms(config, controller, distributed)

@@ -17,6 +17,7 @@ import datetime
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -206,6 +207,10 @@ class RankPlugin:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
+            rank_session = self.config.stash.get(SESSION, None)
+            if rank_session is not None and self.rank == 0:
+                # nothing else will remove it: this process ends here, without teardown
+                shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
             os._exit(TIMEOUT_EXIT_CODE)
 
         # Backup in C, should the GIL never come back to the thread above.

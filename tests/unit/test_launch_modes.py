@@ -135,3 +135,34 @@ def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
     monkeypatch.setenv("MFSDP_TIMEOUT", "30")
     assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "30.0"]]
     assert timeouts("--mfsdp-timeout=20") == [["test_marked", "7.0"], ["test_unmarked", "20.0"]]
+
+
+FAKE_GPUS = """
+import torch
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: {n}
+"""
+
+
+def test_too_few_gpus_skips_with_what_is_missing(pytester):
+    pytester.makeconftest(FAKE_GPUS.format(n=1))  # this parent sees one GPU
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
+    )
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider", "--mfsdp-platform=cuda")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs 2 GPUs (world_size=2, --mfsdp-platform=cuda); 1 visible*"])
+
+
+def test_auto_platform_with_too_few_gpus_says_why_it_uses_cpu(pytester):
+    pytester.makeconftest(FAKE_GPUS.format(n=1))
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
+    )
+    result = pytester.runpytest_subprocess("--collect-only", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(
+        [
+            "*world_size=2 -> platform=cpu (auto: only 1 GPU(s) for 2 local ranks, so CPU ranks; "
+            "--mfsdp-platform=cuda makes that an error)*"
+        ]
+    )
