@@ -356,7 +356,10 @@ def plan_platforms(config: pytest.Config, controller: Controller, items: list[py
                 f"(2 per core); use a smaller world_size in @pytest.mark.distributed or run on GPUs"
             )
         controller.platforms[world_size] = choice.platform
-        lines.append(f"world_size={world_size} -> platform={choice.platform} ({choice.reason})")
+        lines.append(
+            f"world_size={world_size} -> platform={choice.platform}, backend={choice.backend} "
+            f"({choice.reason})"
+        )
     return lines
 
 

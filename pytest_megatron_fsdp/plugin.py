@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from . import options
+from . import options, versions
 from .checkpoint_fixtures import checkpoint_dir  # noqa: F401  (fixtures)
 from .controller import Controller, log_dir, plan_platforms, remember_items
 from .fixtures import dist_env, megatron_fsdp_run, megatron_parallel, run_config  # noqa: F401  (fixtures)
@@ -139,7 +139,10 @@ def _plan_plain_session(session: pytest.Session) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(
-            "megatron-fsdp: distributed tests run in rank sets launched with torchrun; " + "; ".join(lines)
+            "megatron-fsdp: distributed tests run in rank sets launched with torchrun; "
+            + "; ".join(lines)
+            + f"; torch {versions.package_version('torch')}, "
+            f"megatron-core {versions.package_version('megatron-core')}"
         )
 
 

@@ -162,7 +162,8 @@ def test_auto_platform_with_too_few_gpus_says_why_it_uses_cpu(pytester):
     result = pytester.runpytest_subprocess("--collect-only", "-p", "no:cacheprovider")
     result.stdout.fnmatch_lines(
         [
-            "*world_size=2 -> platform=cpu (auto: only 1 GPU(s) for 2 local ranks, so CPU ranks; "
+            "*world_size=2 -> platform=cpu, backend=gloo "
+            "(auto: only 1 GPU(s) for 2 local ranks, so CPU ranks; "
             "--mfsdp-platform=cuda makes that an error)*"
         ]
     )
