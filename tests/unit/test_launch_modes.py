@@ -167,3 +167,36 @@ def test_auto_platform_with_too_few_gpus_says_why_it_uses_cpu(pytester):
             "--mfsdp-platform=cuda makes that an error)*"
         ]
     )
+
+
+def test_exitfirst_stops_the_batch_and_leaves_no_rank_behind(pytester, monkeypatch):
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    pytester.makepyfile(
+        test_x="""
+import pytest
+@pytest.mark.distributed(world_size=2)
+def test_first_fails(dist_env):
+    assert False, "stop here"
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("i", range(3))
+def test_never_reached(dist_env, i):
+    pass
+"""
+    )
+    result = pytester.runpytest_subprocess(
+        "-x", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120
+    )
+    result.assert_outcomes(failed=1)
+    procs = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if str(pytester.path).encode() in cmdline:
+            procs.append(cmdline)
+    assert procs == []  # the rank set that was still running the batch is gone
+    # only the rank logs stay (kept on purpose: failure reports point at them; no cache dir here)
+    assert [p.name for p in tmp.iterdir()] == ["mfsdp-logs"]
