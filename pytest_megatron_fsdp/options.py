@@ -114,6 +114,21 @@ OPTIONS: dict[str, Option] = {
             120.0,
             "SECONDS",
         ),
+        Option(
+            "report-json",
+            "write every distributed test's training metrics (loss, grad norm, step time, tokens/s, "
+            "peak memory, checkpoint figures) as JSON to this file (schemas/mfsdp-report.schema.json)",
+            str,
+            None,
+            "PATH",
+        ),
+        Option(
+            "plot",
+            "write a PNG of the loss curves to this file (needs matplotlib; without it a note says so)",
+            str,
+            None,
+            "PATH",
+        ),
     )
 }
 

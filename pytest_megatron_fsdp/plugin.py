@@ -159,12 +159,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    records = config.stash.get(RUN_RECORDS, [])
-    if not records:
-        return
-    terminalreporter.section("megatron-fsdp training runs")
-    for r in records:
-        terminalreporter.write_line(
-            f"{r.nodeid}: {r.platform}/{r.preset}/{r.strategy}, {r.iterations} iterations, "
-            f"loss {r.first_loss:.4f} -> {r.last_loss:.4f}, {r.ms_per_step:.1f} ms/step"
-        )
+    from . import report  # plain Python, no torch
+
+    report.terminal_summary(
+        terminalreporter, config, config.stash.get(RUN_RECORDS, []), report.session_mode()
+    )
