@@ -44,7 +44,7 @@ def _mark(value: float) -> str | None:
 def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
     """A unicode sparkline of ``values`` (min to max over the finite ones), at most ``width`` wide.
 
-    Longer series are averaged in buckets; a bucket holding a non-finite value shows its mark, so
+    Longer series are averaged in buckets; a bucket holding a non-finite value shows a mark, so
     downsampling never hides a NaN.
     """
     if not values:
@@ -53,10 +53,8 @@ def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
         buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
     else:
         buckets = [[v] for v in values]
-    points: list[float] = []
-    for bucket in buckets:
-        bad = next((v for v in bucket if not math.isfinite(v)), None)
-        points.append(bad if bad is not None else sum(bucket) / len(bucket))
+    # A NaN or infinity in a bucket carries into its mean, so it is never averaged away.
+    points = [sum(bucket) / len(bucket) for bucket in buckets]
     finite = [p for p in points if math.isfinite(p)]
     low, high = (min(finite), max(finite)) if finite else (0.0, 0.0)
     chars = []

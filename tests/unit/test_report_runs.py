@@ -92,6 +92,9 @@ def _check_report(path: Path, mode: str, workdir: Path) -> dict:
     assert sorted(runs) == sorted(
         ["test_iters[3]", "test_iters[6]", "test_absurd_lr", "test_reduced_across_ranks", "test_checkpoint"]
     )
+    for run in report["runs"]:  # every series is as long as the run was
+        assert run["iterations"] == len(run["losses"]) == len(run["grad_norms"]) == len(run["step_times_s"])
+    assert runs["test_reduced_across_ranks"]["iterations"] == 3  # train(3), not train_iters
     tiny = PRESETS["tiny"]
     for iters in (3, 6):
         run = runs[f"test_iters[{iters}]"]
