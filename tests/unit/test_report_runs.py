@@ -147,9 +147,14 @@ def test_plain_mode_report_junit_and_summary(pytester):
         "--mfsdp-platform=cpu",
         "--mfsdp-report-json=out/report.json",
         "--junitxml=out/junit.xml",
+        "--mfsdp-log-dir=logs",
         timeout=400,
     )
     result.assert_outcomes(passed=5)
+    # The launched ranks get the parent's flags too, but only the parent writes the report.
+    rank_logs = [p.read_text() for p in (pytester.path / "logs").rglob("rank*.log")]
+    assert len(rank_logs) == 2 and all("START test_runs.py::test_checkpoint" in log for log in rank_logs)
+    assert not [log for log in rank_logs if "JSON report:" in log or "training runs" in log]
     _check_report(pytester.path / "out" / "report.json", "plain", pytester.path)
     _check_junit(pytester.path / "out" / "junit.xml")
     _check_summary(result.stdout.str())
