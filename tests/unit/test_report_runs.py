@@ -148,6 +148,7 @@ def test_plain_mode_report_junit_and_summary(pytester):
         "--mfsdp-report-json=out/report.json",
         "--junitxml=out/junit.xml",
         "--mfsdp-log-dir=logs",
+        "--mfsdp-plot=out/loss.png",
         timeout=400,
     )
     result.assert_outcomes(passed=5)
@@ -158,6 +159,9 @@ def test_plain_mode_report_junit_and_summary(pytester):
     _check_report(pytester.path / "out" / "report.json", "plain", pytester.path)
     _check_junit(pytester.path / "out" / "junit.xml")
     _check_summary(result.stdout.str())
+    plot = pytester.path / "out" / "loss.png"
+    result.stdout.fnmatch_lines([f"loss plot: {plot}"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_torchrun_mode_report_junit_and_summary(pytester):
