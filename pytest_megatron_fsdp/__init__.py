@@ -19,6 +19,8 @@ _LAZY = {
     "assert_loss_decreased": "assertions",
     "assert_megatron_fsdp_sharded": "assertions",
     "TrainingRun": "training",
+    "record_checkpoint": "metrics",
+    "checkpoint_size_bytes": "metrics",
     "CheckpointError": "checkpoint",
     "SavedCheckpoint": "checkpoint",
     "save_checkpoint": "checkpoint",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from .config import ConfigError, validate
+from .metrics import checkpoint_size_bytes, is_recorded_run, record_checkpoint
 
 if TYPE_CHECKING:
     from .training import TrainingRun
@@ -353,6 +355,7 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
     if target is None:
         raise ConfigError("no checkpoint directory: pass save_dir or set checkpoint.save")
     _checked_config(run, save=str(target))
+    started = time.perf_counter()
     root = Path(target)
     iteration = int(run.iteration)
     rank0 = run.env.rank == 0
@@ -396,7 +399,13 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
         if rank0:
             shutil.rmtree(tmp_dir, ignore_errors=True)  # never visible; nothing a load would accept
         _raise_if_any(problems, f"saving iteration {iteration} to {root} failed (previous checkpoint kept)")
-    return SavedCheckpoint(root, iteration)
+    saved = SavedCheckpoint(root, iteration)
+    _record(
+        run,
+        bytes=checkpoint_size_bytes(root / iteration_dir_name(iteration)),
+        save_s=time.perf_counter() - started,
+    )
+    return saved
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,6 +502,7 @@ def load_checkpoint(
     if source is None:
         raise ConfigError("no checkpoint directory: pass load_dir or set checkpoint.load")
     _checked_config(run, load=str(source))
+    started = time.perf_counter()
     root = Path(source)
 
     # Every rank checks (reads only), then one collective: the same verdict everywhere.
@@ -542,7 +552,14 @@ def load_checkpoint(
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: {_describe(exc)}"
     _raise_if_any(_agree(problem), f"loading {iter_dir} failed")
+    _record(run, load_s=time.perf_counter() - started)
     return found
+
+
+def _record(run: TrainingRun, **figures: float) -> None:
+    """Checkpoint figures into the test's metrics (runs built by the ``megatron_fsdp_run`` fixture)."""
+    if is_recorded_run(run):
+        record_checkpoint(run, **figures)
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 from .config import RunConfig
 from .environment import DistEnv
 from .presets import DEFAULT_PRESET
-from .state import RUN_RECORDS, SESSION, RunRecord, distributed_marker
+from .state import SESSION, distributed_marker
 
 if TYPE_CHECKING:
     from .training import TrainingRun, TrainResult
@@ -93,20 +93,23 @@ def megatron_fsdp_run(
 ) -> Iterator[Callable[..., TrainingRun]]:
     """Factory: ``megatron_fsdp_run(cfg=None)`` builds the GPT, Megatron-FSDP and its optimizer.
 
-    ``run.train(n)`` returns a :class:`TrainResult`; each result is recorded for the session summary.
+    ``run.train(n)`` returns a :class:`TrainResult`; each result is measured (reduced across ranks)
+    and recorded for the session summary, the JSON report and JUnit properties.
     """
+    from . import metrics
     from .training import TrainingRun
 
     runs: list[TrainingRun] = []
-    records = request.config.stash.setdefault(RUN_RECORDS, [])
 
     def build(cfg: RunConfig | None = None) -> TrainingRun:
         run = TrainingRun(cfg or run_config, megatron_parallel)
         runs.append(run)
+        metrics.register_run(run, request)
 
         def record(result: TrainResult) -> None:
-            if megatron_parallel.rank == 0:
-                records.append(RunRecord.from_result(request.node.nodeid, run, result))
+            # Called on every rank after train(): the cross-rank reductions are collectives, so all
+            # ranks take part; only rank 0 keeps the record.
+            metrics.record_result(request, run, result)
 
         run.on_result = record
         return run

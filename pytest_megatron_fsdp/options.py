@@ -152,6 +152,21 @@ OPTIONS: dict[str, Option] = {
             True,
             "true|false",
         ),
+        Option(
+            "report-json",
+            "write every distributed test's training metrics (loss, grad norm, step time, tokens/s, "
+            "peak memory, checkpoint figures) as JSON to this file (schemas/mfsdp-report.schema.json)",
+            str,
+            None,
+            "PATH",
+        ),
+        Option(
+            "plot",
+            "write a PNG of the loss curves to this file (needs matplotlib; without it a note says so)",
+            str,
+            None,
+            "PATH",
+        ),
     )
 }
 

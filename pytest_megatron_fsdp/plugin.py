@@ -50,6 +50,10 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     torchrun = TorchrunEnv.from_environ()
+    if torchrun is not None and torchrun.rank != 0:
+        # One JUnit file per run: rank 0's (it carries every rank's outcome); two ranks writing
+        # the same path could interleave.
+        config.option.xmlpath = None
     report_file = config.getoption("mfsdp_report_file")
     if torchrun is not None and report_file is not None:
         # A rank of a set this plugin launched: its own pytest temp dir inside the batch's working
@@ -168,12 +172,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    records = config.stash.get(RUN_RECORDS, [])
-    if not records:
-        return
-    terminalreporter.section("megatron-fsdp training runs")
-    for r in records:
-        terminalreporter.write_line(
-            f"{r.nodeid}: {r.platform}/{r.preset}/{r.strategy}, {r.iterations} iterations, "
-            f"loss {r.first_loss:.4f} -> {r.last_loss:.4f}, {r.ms_per_step:.1f} ms/step"
-        )
+    from . import report  # plain Python, no torch
+
+    report.terminal_summary(
+        terminalreporter, config, config.stash.get(RUN_RECORDS, []), report.session_mode()
+    )

@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
+from . import versions
 from .config import TRANSFORMER_FIELDS, ConfigError, ConfigWarning, RunConfig, validate
 from .environment import DistEnv
 from .presets import ModelPreset
@@ -84,10 +85,10 @@ def transformer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> Tra
         # CPU ranks have no device to initialise on; GPUs initialise in place.
         use_cpu_initialization=env.platform == "cpu",
         sequence_parallel=False,
-        # The layers come from get_gpt_layer_local_spec. Saying so matters to FSDP2's wrapper: with
-        # the default 'transformer_engine' it also fully_shards ColumnParallelLinear modules nested
-        # in already-sharded TransformerLayers, whose DTensor params torch's fully_shard rejects.
-        transformer_impl="local",
+        # Say which layers get_layer_spec builds. It matters to FSDP2's wrapper: told
+        # 'transformer_engine' while the layers are local, it also fully_shards ColumnParallelLinear
+        # modules nested in already-sharded TransformerLayers, whose DTensor params fully_shard rejects.
+        transformer_impl="transformer_engine" if uses_transformer_engine(env) else "local",
     )
     if preset.swiglu:
         fields["activation_func"] = torch.nn.functional.silu
@@ -173,7 +174,7 @@ def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
     # unit by unit, when it wraps the model (reset_parameters on the target device).
     meta = torch.device("meta") if cfg.model.init_model_with_meta_device else contextlib.nullcontext()
     with meta:
-        model = _gpt_model(config, preset)
+        model = _gpt_model(config, preset, env)
     if env.platform == "cuda" and not cfg.model.init_model_with_meta_device:
         model.cuda(env.device)
     if preset.bf16:
@@ -184,10 +185,23 @@ def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
     return model
 
 
-def _gpt_model(config: TransformerConfig, preset: ModelPreset) -> GPTModel:
+def uses_transformer_engine(env: DistEnv) -> bool:
+    """Transformer Engine layers on GPUs when it imports (as Bridge runs); else Megatron's local ones."""
+    return env.platform == "cuda" and versions.transformer_engine_available()
+
+
+def layer_spec(preset: ModelPreset, env: DistEnv) -> Any:
+    if uses_transformer_engine(env):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=preset.normalization)
+
+
+def _gpt_model(config: TransformerConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=preset.normalization),
+        transformer_layer_spec=layer_spec(preset, env),
         vocab_size=preset.padded_vocab_size,
         max_sequence_length=preset.seq_length,
         share_embeddings_and_output_weights=not preset.untie_embeddings_and_output_weights,

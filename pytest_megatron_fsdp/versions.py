@@ -36,17 +36,20 @@ TENSOR_PARALLEL_FSDP_TE_BUG = (
 )
 
 
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports (it needs CUDA; never on this project's CPU machines)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def tensor_parallel_fsdp_needs_te() -> bool:
     """megatron-core < 0.17 without Transformer Engine: FullyShardedDataParallel's
     ``_fix_tensor_parallel_attributes`` does ``isinstance(m, (TELinear,))`` with ``TELinear`` None,
     a TypeError for any tp > 1 (upstream bug, fixed by 0.19; FINDINGS §2)."""
-    if megatron_core_version() >= (0, 17):
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return True
-    return False
+    return megatron_core_version() < (0, 17) and not transformer_engine_available()
 
 
 #: megatron-core dataclasses whose field names the config checks, by the file that defines them

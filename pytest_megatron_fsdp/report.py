@@ -1,0 +1,264 @@
+"""Showing the recorded runs: the terminal summary, the JSON report, JUnit properties, a PNG plot.
+
+Plain Python (no torch): it runs in the plain-pytest parent as well as in torchrun's rank 0.
+Non-finite numbers are never hidden: the table prints ``NaN``/``inf``, the sparkline a ``×``,
+and the JSON report (strict JSON, which has no NaN) the strings ``"NaN"``, ``"Infinity"``,
+``"-Infinity"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .state import RunRecord
+
+SCHEMA_VERSION = 1
+BARS = "▁▂▃▄▅▆▇█"
+#: what the sparkline shows for NaN, +inf and -inf
+NAN_MARK, POS_INF_MARK, NEG_INF_MARK = "×", "↑", "↓"
+SPARK_WIDTH = 30
+
+
+def fmt_number(value: Any, spec: str = "") -> str:
+    """``format(value, spec)``, but NaN and infinities spelt so they stand out."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return format(value, spec)
+
+
+def _mark(value: float) -> str | None:
+    if math.isnan(value):
+        return NAN_MARK
+    if math.isinf(value):
+        return POS_INF_MARK if value > 0 else NEG_INF_MARK
+    return None
+
+
+def sparkline(values: Sequence[float], width: int = SPARK_WIDTH) -> str:
+    """A unicode sparkline of ``values`` (min to max over the finite ones), at most ``width`` wide.
+
+    Longer series are averaged in buckets; a bucket holding a non-finite value shows a mark, so
+    downsampling never hides a NaN.
+    """
+    if not values:
+        return ""
+    if len(values) > width:
+        buckets = [values[i * len(values) // width : (i + 1) * len(values) // width] for i in range(width)]
+    else:
+        buckets = [[v] for v in values]
+    # A NaN or infinity in a bucket carries into its mean, so it is never averaged away.
+    points = [sum(bucket) / len(bucket) for bucket in buckets]
+    finite = [p for p in points if math.isfinite(p)]
+    low, high = (min(finite), max(finite)) if finite else (0.0, 0.0)
+    chars = []
+    for p in points:
+        mark = _mark(p)
+        if mark is not None:
+            chars.append(mark)
+        elif high == low:
+            chars.append(BARS[len(BARS) // 2])
+        else:
+            chars.append(BARS[round((p - low) / (high - low) * (len(BARS) - 1))])
+    return "".join(chars)
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+_MEMORY_KIND = {"max_rss": "max RSS", "cuda_max_allocated": "CUDA max allocated"}
+
+
+def table_lines(records: Sequence[RunRecord]) -> list[str]:
+    """One small table per test (a row per training run in it)."""
+    header = (
+        "platform",
+        "strategy",
+        "iters",
+        "loss first → last",
+        "loss curve",
+        "ms/step",
+        "tokens/s",
+        "peak mem",
+    )
+    by_test: dict[str, list[RunRecord]] = {}
+    for r in records:
+        by_test.setdefault(r.nodeid, []).append(r)
+    lines: list[str] = []
+    for nodeid, runs in by_test.items():
+        rows = [header]
+        notes: list[str] = []
+        for r in runs:
+            memory = fmt_bytes(r.peak_memory_bytes)
+            if r.peak_memory_bytes is not None and r.peak_memory_kind:
+                memory += f" ({_MEMORY_KIND.get(r.peak_memory_kind, r.peak_memory_kind)})"
+            rows.append(
+                (
+                    f"{r.platform}/{r.preset}",
+                    r.strategy,
+                    str(r.iterations),
+                    f"{fmt_number(r.first_loss, '.4f')} → {fmt_number(r.last_loss, '.4f')}",
+                    sparkline(r.losses),
+                    fmt_number(r.ms_per_step, ".1f"),
+                    fmt_number(r.tokens_per_s, ".0f"),
+                    memory,
+                )
+            )
+            if (
+                r.checkpoint_bytes is not None
+                or r.checkpoint_save_s is not None
+                or r.checkpoint_load_s is not None
+            ):
+                notes.append(
+                    f"checkpoint: {fmt_bytes(r.checkpoint_bytes)}, "
+                    f"save {_seconds(r.checkpoint_save_s)}, load {_seconds(r.checkpoint_load_s)}"
+                )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        numeric = {2, 5, 6}
+        lines.append(nodeid)
+        for row in rows:
+            cells = [
+                c.rjust(w) if i in numeric else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            ]
+            lines.append("  " + "  ".join(cells).rstrip())
+        lines.extend("  " + note for note in notes)
+    return lines
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{fmt_number(value, '.3f')} s"
+
+
+def _strict(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as strings, visibly, rather than drop them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    return value
+
+
+def report_document(records: Sequence[RunRecord], mode: str) -> dict[str, Any]:
+    """The machine-readable report (schemas/mfsdp-report.schema.json describes it)."""
+    runs = []
+    for r in records:
+        data = dataclasses.asdict(r)
+        data["checkpoint"] = {k: data.pop(f"checkpoint_{k}") for k in ("bytes", "save_s", "load_s")}
+        runs.append(_strict(data))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mode": mode,
+        "runs": runs,
+    }
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    tmp.replace(path)  # a reader never sees half a report
+
+
+def junit_properties(record: RunRecord, index: int = 0) -> list[tuple[str, str]]:
+    """Key figures of one run as JUnit ``<property>`` pairs (``mfsdp.runN.`` for a test's later runs)."""
+    prefix = "mfsdp." if index == 0 else f"mfsdp.run{index + 1}."
+    figures: dict[str, Any] = {
+        "platform": record.platform,
+        "preset": record.preset,
+        "strategy": record.strategy,
+        "iterations": record.iterations,
+        "first_loss": record.first_loss,
+        "last_loss": record.last_loss,
+        "ms_per_step": record.ms_per_step,
+        "tokens_per_s": record.tokens_per_s,
+        "peak_memory_bytes": record.peak_memory_bytes,
+    }
+    return [(prefix + k, fmt_number(v)) for k, v in figures.items() if v is not None]
+
+
+def write_plot(path: Path, records: Sequence[RunRecord]) -> str:
+    """A PNG of every run's loss curve; returns the line to show (a note when matplotlib is absent)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on runners
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"no loss plot written to {path}: matplotlib is not installed (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in records:
+        # NaN points leave gaps in the line; mark them on the x axis so they are not hidden.
+        xs = list(range(1, len(r.losses) + 1))
+        (line,) = ax.plot(xs, r.losses, marker=".", label=f"{r.nodeid.split('::', 1)[-1]} ({r.strategy})")
+        bad = [x for x, v in zip(xs, r.losses, strict=True) if not math.isfinite(v)]
+        if bad:
+            # x in data units, y at the bottom of the axes: visible whatever the finite losses' scale
+            ax.plot(
+                bad,
+                [0.0] * len(bad),
+                "x",
+                color=line.get_color(),
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+                label="_nolegend_",
+            )
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title("megatron-fsdp training runs (× on the axis: non-finite loss)")
+    ax.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"loss plot: {path}"
+
+
+def _resolve(config: Any, raw: str) -> Path:
+    path = Path(raw)
+    return path if path.is_absolute() else Path(config.invocation_params.dir) / path
+
+
+def terminal_summary(terminalreporter: Any, config: Any, records: Sequence[RunRecord], mode: str) -> None:
+    """The end-of-session section, and the report files the options ask for."""
+    from .options import resolve
+
+    if config.getoption("mfsdp_report_file") is not None:
+        return  # a rank set launched by the plugin: the parent session shows and writes everything
+    if mode == "torchrun" and os.environ.get("RANK") != "0":
+        return  # only rank 0 holds the records; other ranks must not overwrite its report
+    json_path, plot_path = resolve(config, "report-json"), resolve(config, "plot")
+    if json_path:
+        path = _resolve(config, json_path)
+        write_json(path, report_document(records, mode))
+    if not records and not json_path:
+        return
+    terminalreporter.section("megatron-fsdp training runs")
+    for line in table_lines(records):
+        terminalreporter.write_line(line)
+    if not records:
+        terminalreporter.write_line("no training runs recorded")
+    if json_path:
+        terminalreporter.write_line(f"JSON report: {path}")
+    if plot_path and records:
+        terminalreporter.write_line(write_plot(_resolve(config, plot_path), records))
+
+
+def session_mode() -> str:
+    return "torchrun" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "plain"
