@@ -11,6 +11,7 @@ where a collected test needs them.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,11 @@ from .fixtures import dist_env, megatron_fsdp_run, megatron_parallel, run_config
 from .platform import select_platform
 from .rank import RankPlugin
 from .session import RankSession, TorchrunEnv
-from .state import MARKER, OPTIONS, PLATFORM, RUN_RECORDS, SESSION, distributed_marker
+from .state import MARKER, OPTIONS, PLATFORM, RUN_RECORDS, SESSION, RunRecord, distributed_marker
 
 _RANK_PLUGIN = "mfsdp-rank"
 _CONTROLLER = "mfsdp-controller"
+_XDIST_RECORDS = "mfsdp_run_records"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -159,6 +161,17 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     if controller is not None:
         controller.close_all()
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        # a pytest-xdist worker: hand the training-run records to the controller's summary
+        workeroutput[_XDIST_RECORDS] = [dataclasses.asdict(r) for r in config.stash.get(RUN_RECORDS, [])]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist controller: collect each worker's training-run records."""
+    records = getattr(node, "workeroutput", {}).get(_XDIST_RECORDS, [])
+    node.config.stash.setdefault(RUN_RECORDS, []).extend(RunRecord(**data) for data in records)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

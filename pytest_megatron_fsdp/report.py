@@ -241,6 +241,8 @@ def terminal_summary(terminalreporter: Any, config: Any, records: Sequence[RunRe
 
     if config.getoption("mfsdp_report_file") is not None:
         return  # a rank set launched by the plugin: the parent session shows and writes everything
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker: its records go to the controller, which shows and writes them
     if mode == "torchrun" and os.environ.get("RANK") != "0":
         return  # only rank 0 holds the records; other ranks must not overwrite its report
     json_path, plot_path = resolve(config, "report-json"), resolve(config, "plot")

@@ -1,5 +1,6 @@
 """The ways users launch the suite: pytest-xdist, multi-node torchrun, and timeout precedence."""
 
+import json
 import os
 import socket
 import subprocess
@@ -34,12 +35,27 @@ def test_collective(dist_env, value):
 @pytest.mark.parametrize("n", range(2))
 def test_plain(n):
     assert "RANK" not in os.environ  # plain tests stay in the xdist worker
+
+@pytest.mark.distributed(world_size=2)
+def test_trains(megatron_fsdp_run, run_config):
+    megatron_fsdp_run(run_config).train(2)
 """
     )
     result = pytester.runpytest_subprocess(
-        "-n", "2", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=240
+        "-n",
+        "2",
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        "--mfsdp-report-json=report.json",
+        timeout=240,
     )
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=5)
+    # the worker's training-run record reaches the controller's summary and JSON report
+    result.stdout.fnmatch_lines(["*megatron-fsdp training runs*", "test_mixed.py::test_trains"])
+    runs = json.loads((pytester.path / "report.json").read_text())["runs"]
+    assert [r["nodeid"] for r in runs] == ["test_mixed.py::test_trains"]
+    assert len(runs[0]["losses"]) == 2
 
 
 def _free_port() -> int:
