@@ -330,7 +330,7 @@ def plan_platforms(config: pytest.Config, controller: Controller, items: list[py
     are visible is skipped with a reason saying so. ``cpu`` hosts up to :func:`max_cpu_ranks` ranks;
     a bigger world size is a usage error naming the limit.
     """
-    from .platform import PlatformError, select_platform
+    from .platform import PlatformError, select_platform, visible_gpu_count
 
     requested = options.resolve(config, "platform")
     lines = []
@@ -338,7 +338,7 @@ def plan_platforms(config: pytest.Config, controller: Controller, items: list[py
         try:
             choice = select_platform(requested, world_size)
         except PlatformError as exc:
-            gpus = _visible_gpus()
+            gpus = visible_gpu_count()
             if gpus == 0:
                 raise
             reason = (
@@ -361,9 +361,3 @@ def plan_platforms(config: pytest.Config, controller: Controller, items: list[py
             f"({choice.reason})"
         )
     return lines
-
-
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0

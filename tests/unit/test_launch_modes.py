@@ -153,10 +153,10 @@ def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
     assert timeouts("--mfsdp-timeout=20") == [["test_marked", "7.0"], ["test_unmarked", "20.0"]]
 
 
+# A parent session that sees n GPUs (no rank is launched in these tests, so only the parent needs it).
 FAKE_GPUS = """
-import torch
-torch.cuda.is_available = lambda: True
-torch.cuda.device_count = lambda: {n}
+from pytest_megatron_fsdp import platform
+platform.visible_gpu_count = lambda fast=False: {n}
 """
 
 

@@ -154,3 +154,19 @@ def test_dist_env_without_marker_fails_with_instructions(pytester, monkeypatch):
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*mark the test @pytest.mark.distributed(world_size=N)*"])
+
+
+def test_auto_platform_without_gpu_device_nodes_needs_no_torch_import():
+    # The plain-mode parent decides the platform; on a machine with no GPU device node that costs
+    # no torch import. (A GPU machine takes the torch path, also checked.)
+    code = (
+        "import glob, sys\n"
+        "from pytest_megatron_fsdp.platform import _GPU_DEVICE_NODES, select_platform\n"
+        "nodes = any(glob.glob(p) for p in _GPU_DEVICE_NODES)\n"
+        "choice = select_platform('auto', 2)\n"
+        "assert ('torch' in sys.modules) == nodes  # torch is asked only where a GPU may be\n"
+        "if not nodes:\n"
+        "    assert (choice.platform, choice.reason) == ('cpu', 'auto: no CUDA device'), choice\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
