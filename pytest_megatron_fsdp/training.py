@@ -38,7 +38,19 @@ from .results import TrainResult
 
 
 def initialize_model_parallel(cfg: RunConfig) -> None:
-    """Megatron's model-parallel state and seeded RNGs, as every Megatron test sets them up."""
+    """Megatron's model-parallel state and seeded RNGs, as every Megatron test sets them up.
+
+    State already up with the same sizes (the test's fixture made it) is kept, only reseeded:
+    building Megatron's process groups again costs a store rendezvous per group.
+    """
+    wanted = (
+        cfg.model.tensor_model_parallel_size,
+        cfg.model.pipeline_model_parallel_size,
+        cfg.model.context_parallel_size,
+    )
+    if parallel_state.model_parallel_is_initialized() and _model_parallel_sizes() == wanted:
+        seed_everything(cfg.train.seed)
+        return
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
@@ -46,6 +58,14 @@ def initialize_model_parallel(cfg: RunConfig) -> None:
         context_parallel_size=cfg.model.context_parallel_size,
     )
     seed_everything(cfg.train.seed)
+
+
+def _model_parallel_sizes() -> tuple[int, int, int]:
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+    )
 
 
 def seed_everything(seed: int) -> None:
