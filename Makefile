@@ -12,7 +12,9 @@ NPROC       ?= 2
 PYTEST_ARGS ?=
 
 PY       := $(VENV)/bin/python
-TORCHRUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
+# torchrun leaves a torchelastic_* dir in $$TMPDIR on every run: give it one that is removed after.
+TORCHRUN := scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && TMPDIR=$$scratch \
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 
 .PHONY: venv smoke test unit lint clean
 

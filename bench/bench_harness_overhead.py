@@ -107,6 +107,8 @@ def main() -> None:
         name: {"wall": [], "loop": []} for name in ("bare", "plugin-torchrun", "plugin-plain")
     }
     with tempfile.TemporaryDirectory(prefix="mfsdp-bench-") as tmp:
+        # torchrun leaves a torchelastic_* dir in $TMPDIR on every launch: keep them in here.
+        os.environ["TMPDIR"] = tmp
         out = Path(tmp) / "out.json"
         for round_ in range(args.repeat):
             runs = {

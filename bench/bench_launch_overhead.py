@@ -76,6 +76,8 @@ def main() -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     torchrun_pytest = [*torchrun, "-m", *pytest_cmd[2:]]
     with tempfile.TemporaryDirectory(prefix="mfsdp-bench-") as tmp:
+        # torchrun leaves a torchelastic_* dir in $TMPDIR on every launch: keep them in here.
+        os.environ["TMPDIR"] = tmp
         root = Path(tmp)
         (root / "ten").mkdir()
         (root / "ten" / "test_ten.py").write_text(TEST_FILE.format(n=TESTS))
