@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -416,7 +415,3 @@ class TrainingRun:
         from .checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, iteration)
-
-
-def is_finite(value: float) -> bool:
-    return math.isfinite(value)
