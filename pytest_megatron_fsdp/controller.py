@@ -230,6 +230,8 @@ class Controller:
             log = rank_set.rank_log(r)
             start = log.find(TIMEOUT_BANNER)
             if start < 0:
+                start = log.find("Fatal Python error")  # faulthandler on SIGSEGV, SIGABRT, ...
+            if start < 0:
                 start = log.find("Thread 0x")  # a dump on SIGUSR1 from the parent's watchdog
             if start < 0:
                 start = log.rfind("START ")  # this test's part of the log

@@ -65,6 +65,9 @@ class RankPlugin:
         (log_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))
         # `kill -USR1 <pid>` (the plain-mode parent's backup watchdog does) dumps every thread's stack.
         faulthandler.register(signal.SIGUSR1, file=self.log, all_threads=True)
+        # A fatal signal (SIGSEGV, SIGABRT, ...) dumps them into this rank's log too, which failure
+        # reports quote per rank; pytest's own handler would write them to the shared torchrun output.
+        faulthandler.enable(file=self.log, all_threads=True)
         if self._report_file and self.rank == 0:
             self.events = open(self._report_file, "a", buffering=1)  # noqa: SIM115
         self._log(
@@ -103,6 +106,9 @@ class RankPlugin:
         if not hasattr(self, "log"):
             return
         faulthandler.unregister(signal.SIGUSR1)
+        # Before the log closes; pytest's faulthandler plugin, unconfigured after this one, then
+        # restores its own.
+        faulthandler.disable()
         if self.events is not None:
             self.events.close()
         self.log.close()

@@ -56,6 +56,13 @@ def test_rank1_is_sigkilled(dist_env):
     dist.barrier()
 
 
+@two_ranks
+def test_rank1_aborts(dist_env):
+    if dist_env.rank == 1:
+        os.abort()  # as a C++ std::terminate or a failed assert in native code would
+    dist.barrier()
+
+
 @pytest.mark.distributed(world_size=2, timeout={HANG_TIMEOUT_S})
 def test_rank1_hangs(dist_env):
     if dist_env.rank == 1:
@@ -136,13 +143,18 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isola
     result = pytester.runpytest_subprocess("-rA", "--mfsdp-platform=cpu", "--junitxml=junit.xml", timeout=300)
     wall = time.monotonic() - started
     out = result.stdout.str()
-    result.assert_outcomes(passed=2, failed=6, skipped=1, xfailed=1)
+    result.assert_outcomes(passed=2, failed=7, skipped=1, xfailed=1)
 
     result.stdout.fnmatch_lines(["*test_rank1_raises*", "*failed on rank 1 (passed on 0)*"])
     assert "RuntimeError: boom on rank 1" in out
     assert "failed on ranks 0, 1" in out and "rank 1 gives up before the all_reduce" in out
     assert "rank 1 died (exit code 3)" in out
     assert "rank 1 died (signal SIGKILL)" in out
+    # A fatal signal's report quotes the Python stack faulthandler wrote into that rank's log.
+    aborted = out[out.index("test_rank1_aborts _") : out.index("test_rank1_hangs _")]
+    assert "rank 1 died (signal SIGABRT)" in aborted
+    rank1 = aborted[aborted.index("---------- rank 1") :]
+    assert "Fatal Python error: Aborted" in rank1 and "in test_rank1_aborts" in rank1
     assert f"timed out: the test exceeded its {HANG_TIMEOUT_S} s timeout" in out
     # The hang's report carries every rank's stack: rank 1 sleeping in the test, rank 0 in barrier.
     hang = out[out.index("test_rank1_hangs _") :]
@@ -163,7 +175,7 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isola
     # JUnit XML sees the same node ids and outcomes.
     junit = (pytester.path / "junit.xml").read_text()
     result.stdout.fnmatch_lines(["XFAIL*test_expected_failure_stays_an_xfail*known upstream bug*"])
-    assert junit.count("<testcase") == 10 and 'name="test_rank1_exits"' in junit
+    assert junit.count("<testcase") == 11 and 'name="test_rank1_exits"' in junit
 
     # Nothing left running, nothing left in the temp dir.
     assert _processes_mentioning(str(pytester.path)) == []
