@@ -35,11 +35,14 @@ def dist_env(request: pytest.FixtureRequest) -> DistEnv:
 
 
 @pytest.fixture
-def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterator[DistEnv]:
-    """Megatron's model-parallel state, up for the test and destroyed after it.
+def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> DistEnv:
+    """Megatron's model-parallel state, up for the test with every rank seeded identically.
 
-    Sizes come from the marker (``tp=``, ``pp=``, ``cp=``); every rank is seeded identically
-    (``model_parallel_cuda_manual_seed`` included), so tests do not leak into each other.
+    Sizes come from the marker (``tp=``, ``pp=``, ``cp=``); seeds (``model_parallel_cuda_manual_seed``
+    included) are reset for every test, so tests do not leak into each other. The state itself is
+    kept for the next test with the same sizes (building it makes 17 process groups; see
+    ``training.initialize_model_parallel``) and torn down with the process group: at the session's
+    end, and when a failed test renews the group.
     """
     from . import training
 
@@ -49,10 +52,7 @@ def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iter
     cfg.model.pipeline_model_parallel_size = marker.pp
     cfg.model.context_parallel_size = marker.cp
     training.initialize_model_parallel(cfg)
-    try:
-        yield dist_env
-    finally:
-        training.destroy_model_parallel()
+    return dist_env
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,15 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     )
 
 
+def _forget_model_parallel_state() -> None:
+    """Megatron's model-parallel state (kept across tests) names groups the default one's
+    destruction ends: drop it first, so the next test builds it afresh. A no-op until a test has
+    loaded the training module (plain torch.distributed tests never import megatron)."""
+    training = sys.modules.get(f"{__package__}.training")
+    if training is not None:
+        training.destroy_model_parallel()
+
+
 class RankSession:
     """This rank's part of the distributed session."""
 
@@ -105,6 +115,7 @@ class RankSession:
         """
         import torch.distributed as dist
 
+        _forget_model_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -178,6 +189,7 @@ class RankSession:
             self.store.wait([f"closing/{r}" for r in range(world)], datetime.timedelta(seconds=30))
         except Exception:  # noqa: BLE001 - a rank that is gone has nothing left to wait for
             pass
+        _forget_model_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
         if rank == 0:

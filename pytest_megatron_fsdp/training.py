@@ -35,12 +35,17 @@ from .environment import DistEnv
 from .presets import ModelPreset
 from .results import TrainResult
 
+#: the process groups the last initialize_model_parallel created (torch keeps them until destroyed)
+_MODEL_PARALLEL_GROUPS: list[Any] = []
+
 
 def initialize_model_parallel(cfg: RunConfig) -> None:
     """Megatron's model-parallel state and seeded RNGs, as every Megatron test sets them up.
 
-    State already up with the same sizes (the test's fixture made it) is kept, only reseeded:
-    building Megatron's process groups again costs a store rendezvous per group.
+    State already up with the same sizes (an earlier test or run made it) is kept, only reseeded:
+    building it again costs a store rendezvous per group, and each gloo group holds sockets and
+    threads (17 groups, ~70 fds and ~50 threads per rank on 2 CPU ranks) that the models Megatron
+    builds on them keep alive after their test. Other sizes replace it; the old groups are destroyed.
     """
     wanted = (
         cfg.model.tensor_model_parallel_size,
@@ -50,13 +55,32 @@ def initialize_model_parallel(cfg: RunConfig) -> None:
     if parallel_state.model_parallel_is_initialized() and _model_parallel_sizes() == wanted:
         seed_everything(cfg.train.seed)
         return
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
+    before = set(versions.live_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
         context_parallel_size=cfg.model.context_parallel_size,
     )
+    _MODEL_PARALLEL_GROUPS[:] = [g for g in versions.live_process_groups() if g not in before]
     seed_everything(cfg.train.seed)
+
+
+def destroy_model_parallel() -> None:
+    """Megatron forgets its model-parallel state; torch destroys the groups made for it.
+
+    Newest first, as torch itself shuts groups down; every rank calls this at the same point, so
+    all destroy the same groups in the same order. Groups already gone with the default one
+    (a renewed process group) are skipped.
+    """
+    parallel_state.destroy_model_parallel()
+    groups, _MODEL_PARALLEL_GROUPS[:] = list(_MODEL_PARALLEL_GROUPS), []
+    if not dist.is_initialized():
+        return
+    live = set(versions.live_process_groups())
+    for group in reversed(groups):
+        if group in live:
+            dist.destroy_process_group(group)
 
 
 def _model_parallel_sizes() -> tuple[int, int, int]:
@@ -77,10 +101,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     # Megatron's tracker: distinct tensor-parallel streams, identical data-parallel ones.
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_model_parallel() -> None:
-    parallel_state.destroy_model_parallel()
 
 
 def transformer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> TransformerConfig:
@@ -393,7 +413,13 @@ class TrainingRun:
         return self._data_parallel_mean(local)
 
     def close(self) -> None:
-        destroy_model_parallel()
+        """Drop this run's model and optimizer.
+
+        Megatron's model-parallel state stays up for the next run or test with the same sizes;
+        the rank session tears it down with the process group.
+        """
+        self.model = None
+        self.optimizer = None
 
     # Checkpointing (pytest_megatron_fsdp.checkpoint): the data stream's position is part of the
     # saved train state, so a resumed run draws the batches the uninterrupted one would have.

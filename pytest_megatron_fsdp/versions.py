@@ -6,6 +6,7 @@ Reads package metadata only: importing this module imports neither torch nor meg
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -34,6 +35,19 @@ TENSOR_PARALLEL_FSDP_TE_BUG = (
     "_fix_tensor_parallel_attributes does isinstance(m, (TELinear,)) with TELinear None -> TypeError "
     "for tp > 1 (upstream bug, gone in 0.19.2 where tp=2 trains; FINDINGS section 2)"
 )
+
+
+def live_process_groups() -> list[Any]:
+    """This rank's process groups, oldest first (the default group included).
+
+    torch has no public list of them; ``distributed_c10d._world.pg_names`` (a dict in creation
+    order) has held it since torch 2.0. Empty if that layout ever changes: nothing is then released
+    early, groups just live until the session's process group is destroyed.
+    """
+    from torch.distributed import distributed_c10d
+
+    names = getattr(getattr(distributed_c10d, "_world", None), "pg_names", None)
+    return list(names) if isinstance(names, dict) else []
 
 
 def transformer_engine_available() -> bool:
