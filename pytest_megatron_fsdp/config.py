@@ -166,7 +166,7 @@ def parse_value(text: str, types: tuple[type, ...] = ()) -> Any:
             try:
                 return number(raw)
             except ValueError:
-                pass
+                pass  # not this kind of number; the next type may fit
     if str in types or guess:
         return raw
     raise ValueError(" or ".join("none" if t is type(None) else t.__name__ for t in types))

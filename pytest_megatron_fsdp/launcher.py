@@ -7,6 +7,7 @@ rank stuck in a collective ignores gentler signals).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -156,10 +157,8 @@ class RankSet:
     def kill(self) -> None:
         for pid in self.rank_pids().values():
             _signal(pid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # torchrun already gone
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
@@ -206,7 +205,5 @@ def describe_exit(code: int) -> str:
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the rank already ended
         os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -3,8 +3,6 @@ time, and precedence marker > command line > environment > ini (pytester, no tor
 
 import pytest
 
-ENV = ("MFSDP_SET", "MFSDP_USE_MEGATRON_FSDP", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
 SHOW = (
     "import pytest\n"
     "from pytest_megatron_fsdp.options import resolve\n"
@@ -12,12 +10,6 @@ SHOW = (
     "    print('SET', list(resolve(config, 'set')))\n"
     "    print('USE', resolve(config, 'use-megatron-fsdp'))\n"
 )
-
-
-@pytest.fixture(autouse=True)
-def plain_environment(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.mark.parametrize(

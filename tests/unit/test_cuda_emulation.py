@@ -177,12 +177,10 @@ def test_nothing_is_patched_in_a_process_that_did_not_ask(tmp_path):
     test_file.write_text(
         "import torch\ndef test_x():\n    assert torch.cuda.current_device.__module__ == 'torch.cuda'\n"
     )
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run(
         [sys.executable, "-c", code, str(test_file)],
         capture_output=True,
         text=True,
-        env=env,
-        timeout=120,
+        timeout=120,  # inherits a plain environment (tests/unit/conftest.py)
     )
     assert "UNPATCHED 0" in out.stdout, out.stdout + out.stderr

@@ -6,16 +6,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-@pytest.fixture(autouse=True)
-def plain_environment(monkeypatch):
-    for name in TORCHRUN_VARS + ("MFSDP_TIMEOUT",):
-        monkeypatch.delenv(name, raising=False)
-
 
 def test_under_xdist_each_worker_launches_its_own_rank_sets(pytester):
     pytester.makepyfile(
@@ -85,7 +75,7 @@ def test_ranks_and_shared_dir(dist_env):
 """
     )
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env = dict(os.environ)  # plain: tests/unit/conftest.py removed torchrun variables
     env["SHARED"] = str(shared)
     agents = [
         subprocess.Popen(

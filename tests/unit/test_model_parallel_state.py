@@ -8,10 +8,6 @@ descriptors and threads grow by ~70 and ~50 per test.
 
 import json
 
-import pytest
-
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
 TESTS = """
 import json
 import os
@@ -60,12 +56,6 @@ def test_trains_after_the_group_was_renewed(snapshot, megatron_fsdp_run, run_con
     result = megatron_fsdp_run(run_config).train(2)
     assert result.losses[-1] < result.losses[0]
 """
-
-
-@pytest.fixture(autouse=True)
-def plain_environment(monkeypatch):
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_state_is_reused_replaced_and_renewed_without_growth(pytester):

@@ -5,21 +5,6 @@ import sys
 
 import pytest
 
-TORCHRUN_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-@pytest.fixture(autouse=True)
-def plain_environment(monkeypatch):
-    for name in TORCHRUN_VARS + ("MFSDP_PLATFORM", "MFSDP_PRESET", "MFSDP_PG_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-
 
 def as_torchrun_rank(monkeypatch, world_size=2, rank=0):
     monkeypatch.setenv("RANK", str(rank))

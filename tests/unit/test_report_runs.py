@@ -17,7 +17,6 @@ import pytest
 
 from pytest_megatron_fsdp.presets import PRESETS
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 SCHEMA = json.loads((Path(__file__).parents[2] / "schemas" / "mfsdp-report.schema.json").read_text())
 
 RUNS = """
@@ -76,12 +75,6 @@ def test_checkpoint(request, megatron_fsdp_run, run_config, dist_env):
     dist.barrier()
     record_checkpoint(run, bytes=checkpoint_size_bytes("ckpt.pt"), save_s=time.perf_counter() - start)
 """
-
-
-@pytest.fixture(autouse=True)
-def plain_environment(monkeypatch):
-    for name in TORCHRUN_VARS + ("MFSDP_REPORT_JSON", "MFSDP_PLOT", "MFSDP_PRESET"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def _check_report(path: Path, mode: str, workdir: Path) -> dict:
@@ -167,7 +160,7 @@ def test_plain_mode_report_junit_and_summary(pytester):
 def test_torchrun_mode_report_junit_and_summary(pytester):
     pytester.makepyfile(test_runs=RUNS)
     # Environment, not flag, for the report: the options registry's env route, as CI would set it.
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env = dict(os.environ)  # plain: tests/unit/conftest.py removed torchrun variables
     env["MFSDP_REPORT_JSON"] = "out/report.json"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
