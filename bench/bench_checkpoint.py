@@ -28,18 +28,21 @@ def main() -> None:
     parser.add_argument("--platform", default="auto", choices=("auto", "cpu", "cuda"))
     args = parser.parse_args()
 
-    from pytest_megatron_fsdp.platform import select_platform
-    from pytest_megatron_fsdp.session import RankSession, TorchrunEnv
+    from pytest_megatron_fsdp.harness.platform import select_platform
+    from pytest_megatron_fsdp.harness.session import RankSession, TorchrunEnv
 
     torchrun = TorchrunEnv.from_environ()
     if torchrun is None:
         raise SystemExit("run under python -m torch.distributed.run --nproc_per_node=2")
     choice = select_platform(args.platform, torchrun.local_world_size)
     if choice.platform == "cpu":
-        from pytest_megatron_fsdp import cuda_emulation
+        from pytest_megatron_fsdp.harness import cuda_emulation
 
         cuda_emulation.enable()  # before anything imports megatron
     session = RankSession.start(torchrun, choice, pg_timeout_s=120)
+    from pytest_megatron_fsdp.fsdp import parallel  # megatron: after the emulation
+
+    session.on_release(parallel.destroy_model_parallel)
     try:
         _bench(session.env, args)
     finally:
@@ -51,10 +54,10 @@ def _bench(env, args) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from pytest_megatron_fsdp import checkpoint as ckpt
     from pytest_megatron_fsdp.config import RunConfig, enable_megatron_fsdp
-    from pytest_megatron_fsdp.presets import DEFAULT_PRESET
-    from pytest_megatron_fsdp.training import TrainingRun
+    from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
+    from pytest_megatron_fsdp.fsdp.presets import DEFAULT_PRESET
+    from pytest_megatron_fsdp.fsdp.training import TrainingRun
 
     cfg = enable_megatron_fsdp(RunConfig())
     cfg.model.preset = args.preset or DEFAULT_PRESET[env.platform]

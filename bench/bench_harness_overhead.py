@@ -39,7 +39,7 @@ def bare(platform: str, out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     if platform == "cpu":
-        from pytest_megatron_fsdp import cuda_emulation
+        from pytest_megatron_fsdp.harness import cuda_emulation
 
         cuda_emulation.enable()  # before megatron is imported, as the plugin does
     import torch
@@ -47,8 +47,8 @@ def bare(platform: str, out: Path) -> None:
 
     from pytest_megatron_fsdp.config import RunConfig, enable_megatron_fsdp
     from pytest_megatron_fsdp.environment import DistEnv
-    from pytest_megatron_fsdp.presets import DEFAULT_PRESET
-    from pytest_megatron_fsdp.training import TrainingRun
+    from pytest_megatron_fsdp.fsdp.presets import DEFAULT_PRESET
+    from pytest_megatron_fsdp.fsdp.training import TrainingRun
 
     device = "cpu"
     if platform == "cuda":

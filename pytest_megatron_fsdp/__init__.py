@@ -8,28 +8,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import ConfigError, RunConfig, enable_megatron_fsdp, validate
 from .environment import DistEnv
-from .presets import PRESETS, ModelPreset
+from .fsdp.config import ConfigError, RunConfig, enable_megatron_fsdp, validate
+from .fsdp.presets import PRESETS, ModelPreset
 
 __version__ = "0.1.0"
 
+#: name -> the module (below this package) that defines it, imported on first use
 _LAZY = {
-    "assert_last_loss_finite": "assertions",
-    "assert_loss_decreased": "assertions",
-    "assert_megatron_fsdp_sharded": "assertions",
-    "TrainingRun": "training",
-    "record_checkpoint": "metrics",
-    "checkpoint_size_bytes": "metrics",
-    "CheckpointError": "checkpoint",
-    "SavedCheckpoint": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "checkpoint_problems": "checkpoint",
-    "state_snapshot": "checkpoint",
-    "assert_states_equal": "checkpoint",
-    "assert_states_differ": "checkpoint",
-    "TrainResult": "results",
+    "assert_last_loss_finite": "fsdp.assertions",
+    "assert_loss_decreased": "fsdp.assertions",
+    "assert_megatron_fsdp_sharded": "fsdp.assertions",
+    "TrainingRun": "fsdp.training",
+    "record_checkpoint": "reporting.metrics",
+    "checkpoint_size_bytes": "fsdp.layout",
+    "CheckpointError": "fsdp.checkpoint",
+    "SavedCheckpoint": "fsdp.checkpoint",
+    "save_checkpoint": "fsdp.checkpoint",
+    "load_checkpoint": "fsdp.checkpoint",
+    "checkpoint_problems": "fsdp.checkpoint",
+    "state_snapshot": "fsdp.snapshots",
+    "assert_states_equal": "fsdp.snapshots",
+    "assert_states_differ": "fsdp.snapshots",
+    "TrainResult": "fsdp.results",
 }
 
 __all__ = [

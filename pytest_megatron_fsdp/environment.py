@@ -1,9 +1,11 @@
-"""What a distributed test sees of its rank: plain data, importable without torch."""
+"""The vocabulary the harness and the Megatron-FSDP domain share: plain data, no torch, no pytest."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+DEFAULT_WORLD_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -21,3 +23,16 @@ class DistEnv:
     platform: str
     #: a directory every rank of this session sees (removed at session end)
     shared_dir: Path
+
+
+@dataclass(frozen=True)
+class DistributedSpec:
+    """A test's ``@pytest.mark.distributed(...)``: where and how long it runs."""
+
+    world_size: int = DEFAULT_WORLD_SIZE
+    #: Megatron's model-parallel sizes for the test
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    #: seconds, resolved once: marker ``timeout=`` > ``--mfsdp-timeout`` > env > ini > default
+    timeout_s: float = 300.0

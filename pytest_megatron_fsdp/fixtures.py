@@ -1,23 +1,29 @@
-"""Fixtures a distributed test uses. Importing this module imports neither torch nor megatron."""
+"""Every fixture a distributed test uses. Importing this module imports neither torch nor megatron."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from .config import RunConfig
-from .environment import DistEnv
-from .presets import DEFAULT_PRESET
-from .state import SESSION, distributed_marker
+from . import options
+from .environment import DistEnv, DistributedSpec
+from .fsdp.config import RunConfig
+from .fsdp.presets import DEFAULT_PRESET
+from .harness.protocol import spec_of
+from .harness.session import RANK_SESSION, RankSession
 
 if TYPE_CHECKING:
-    from .training import TrainingRun, TrainResult
+    from .fsdp.training import TrainingRun
 
 
-def _rank_session(request: pytest.FixtureRequest):
-    session = request.config.stash.get(SESSION, None)
+def _rank_session(request: pytest.FixtureRequest) -> RankSession:
+    session = request.config.stash.get(RANK_SESSION, None)
     if session is None:
         pytest.fail(
             "dist_env needs a running rank session: mark the test "
@@ -26,6 +32,10 @@ def _rank_session(request: pytest.FixtureRequest):
             pytrace=False,
         )
     return session
+
+
+def _spec(request: pytest.FixtureRequest) -> DistributedSpec:
+    return spec_of(request.node) or DistributedSpec()
 
 
 @pytest.fixture
@@ -41,17 +51,14 @@ def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> Dist
     Sizes come from the marker (``tp=``, ``pp=``, ``cp=``); seeds (``model_parallel_cuda_manual_seed``
     included) are reset for every test, so tests do not leak into each other. The state itself is
     kept for the next test with the same sizes (building it makes 17 process groups; see
-    ``training.initialize_model_parallel``) and torn down with the process group: at the session's
-    end, and when a failed test renews the group.
+    ``fsdp.parallel.initialize_model_parallel``) and dropped before the process group goes: at the
+    session's end, and when a failed test renews the group.
     """
-    from . import training
+    from .fsdp import parallel
 
-    marker = distributed_marker(request.node)
-    cfg = RunConfig()
-    cfg.model.tensor_model_parallel_size = marker.tp
-    cfg.model.pipeline_model_parallel_size = marker.pp
-    cfg.model.context_parallel_size = marker.cp
-    training.initialize_model_parallel(cfg)
+    spec = _spec(request)
+    _rank_session(request).on_release(parallel.destroy_model_parallel)
+    parallel.initialize_model_parallel(spec.tp, spec.pp, spec.cp, RunConfig().train.seed)
     return dist_env
 
 
@@ -62,24 +69,23 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     The preset is ``--mfsdp-preset`` or the platform's default (tiny on CPU, the Bridge reference
     model on GPUs); tp/pp/cp follow the test's marker.
     """
-    from .config import ConfigError, disable_megatron_fsdp, enable_megatron_fsdp
-    from .options import resolve
+    from .fsdp.config import ConfigError, disable_megatron_fsdp, enable_megatron_fsdp
 
-    marker = distributed_marker(request.node)
+    spec = _spec(request)
     cfg = enable_megatron_fsdp(RunConfig())
-    cfg.model.preset = resolve(request.config, "preset") or DEFAULT_PRESET[megatron_parallel.platform]
-    cfg.model.tensor_model_parallel_size = marker.tp
-    cfg.model.pipeline_model_parallel_size = marker.pp
-    cfg.model.context_parallel_size = marker.cp
+    cfg.model.preset = options.resolve(request.config, "preset") or DEFAULT_PRESET[megatron_parallel.platform]
+    cfg.model.tensor_model_parallel_size = spec.tp
+    cfg.model.pipeline_model_parallel_size = spec.pp
+    cfg.model.context_parallel_size = spec.cp
     # --mfsdp-use-megatron-fsdp / --mfsdp-set, or @pytest.mark.mfsdp_config(use_megatron_fsdp=, set=)
     config_marker = request.node.get_closest_marker("mfsdp_config")
     kwargs = dict(config_marker.kwargs) if config_marker else {}
-    if not resolve(request.config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")):
+    if not options.resolve(request.config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")):
         disable_megatron_fsdp(cfg)
         if megatron_parallel.platform == "cpu":
             # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks.
             cfg.ddp.use_distributed_optimizer = False
-    for assignment in resolve(request.config, "set", kwargs.get("set")):
+    for assignment in options.resolve(request.config, "set", kwargs.get("set")):
         try:
             cfg.assign(assignment)
         except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
@@ -96,22 +102,16 @@ def megatron_fsdp_run(
     ``run.train(n)`` returns a :class:`TrainResult`; each result is measured (reduced across ranks)
     and recorded for the session summary, the JSON report and JUnit properties.
     """
-    from . import metrics
-    from .training import TrainingRun
+    from .fsdp.training import TrainingRun
+    from .reporting.metrics import TestRecorder
 
+    recorder = TestRecorder(request.node)
     runs: list[TrainingRun] = []
 
     def build(cfg: RunConfig | None = None) -> TrainingRun:
-        run = TrainingRun(cfg or run_config, megatron_parallel)
+        run = TrainingRun(cfg or run_config, megatron_parallel, observer=recorder)
+        recorder.started(run)
         runs.append(run)
-        metrics.register_run(run, request)
-
-        def record(result: TrainResult) -> None:
-            # Called on every rank after train(): the cross-rank reductions are collectives, so all
-            # ranks take part; only rank 0 keeps the record.
-            metrics.record_result(request, run, result)
-
-        run.on_result = record
         return run
 
     try:
@@ -119,3 +119,27 @@ def megatron_fsdp_run(
     finally:
         for run in runs:
             run.close()
+
+
+@pytest.fixture
+def checkpoint_dir(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterator[Path]:
+    """A fresh private (0700) directory, the same path on every rank, removed after the test.
+
+    It lies in the session's shared directory; its name comes from the test id, so every rank
+    computes the same one without a collective.
+    """
+    import torch.distributed as dist
+
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:12]
+    path = dist_env.shared_dir / f"ckpt-{digest}"
+    if dist_env.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)  # whatever the umask: checkpoints are unpickled on load
+    dist.barrier()  # bounded by the process-group timeout
+    try:
+        yield path
+    finally:
+        dist.barrier()  # nobody removes it while another rank still reads it
+        if dist_env.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)

@@ -8,7 +8,6 @@ here, at configure time, so a typo ends the session with one line before any ran
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +15,13 @@ from typing import Any
 
 import pytest
 
-from .config import ConfigError, RunConfig, parse_value
-from .presets import PRESETS
+from .fsdp.config import ConfigError, RunConfig, parse_value
+from .fsdp.presets import PRESETS
+from .harness.protocol import add_internal_options
 
 PREFIX = "mfsdp"
+#: every option's resolved value, by name (checked once, at configure time)
+OPTION_VALUES = pytest.StashKey[dict[str, Any]]()
 PLATFORMS = ("auto", "cpu", "cuda")
 
 
@@ -192,8 +194,7 @@ def add_options(parser: pytest.Parser) -> None:
             type="linelist" if option.multiple else None,
         )
     # Internal: how a rank set launched by the plugin (plain-pytest mode) talks to its parent.
-    group.addoption("--mfsdp-report-file", dest="mfsdp_report_file", default=None, help=argparse.SUPPRESS)
-    group.addoption("--mfsdp-batch-file", dest="mfsdp_batch_file", default=None, help=argparse.SUPPRESS)
+    add_internal_options(group)
 
 
 def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:
@@ -249,3 +250,15 @@ def _parse(option: Option, raw: Any, source: str) -> Any:
 def check_all(config: pytest.Config) -> dict[str, Any]:
     """Resolve every option once, so a bad value anywhere fails at configure time."""
     return {name: resolve(config, name) for name in OPTIONS}
+
+
+def forwarded_args(config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir")) -> list[str]:
+    """The options given on this command line, as flags for a launched rank set's pytest."""
+    args = []
+    for option in OPTIONS.values():
+        value = getattr(config.option, option.dest, None)
+        if value is None or option.name in skip:
+            continue
+        for one in value if option.multiple else [value]:
+            args.append(f"{option.flag}={one}")
+    return args

@@ -1,9 +1,9 @@
-"""pytest entry point (``pytest11``): options, the ``distributed`` marker, and the choice of side.
+"""pytest entry point (``pytest11``): hooks only; decides which side this process is.
 
-* Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is a rank: :mod:`.rank` runs its tests
-  with the other ranks, :mod:`.session` holds the process group.
-* Otherwise it is a plain pytest session: :mod:`.controller` runs each distributed test in a rank
-  set it launches through torchrun (:mod:`.launcher`), and reports it here like any other test.
+* Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is a rank: ``harness.rank`` runs its
+  tests with the other ranks, ``harness.session`` holds the process group.
+* Otherwise it is a plain pytest session: ``harness.controller`` runs each distributed test in a
+  rank set it launches through torchrun (``harness.launcher``), and reports it here like any other test.
 
 Kept light on purpose: loading the plugin imports neither torch nor megatron. They load only
 where a collected test needs them.
@@ -11,23 +11,23 @@ where a collected test needs them.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
-from . import options, versions
-from .checkpoint_fixtures import checkpoint_dir  # noqa: F401  (fixtures)
-from .controller import Controller, log_dir, plan_platforms, remember_items
-from .fixtures import dist_env, megatron_fsdp_run, megatron_parallel, run_config  # noqa: F401  (fixtures)
-from .platform import select_platform
-from .rank import RankPlugin
-from .session import RankSession, TorchrunEnv
-from .state import MARKER, OPTIONS, PLATFORM, RUN_RECORDS, SESSION, RunRecord, distributed_marker
+from . import marker, options
+from .fixtures import checkpoint_dir, dist_env, megatron_fsdp_run, megatron_parallel, run_config  # noqa: F401
+from .fsdp import versions
+from .harness import protocol
+from .harness.controller import Controller, plan_platforms, remember_items
+from .harness.platform import PlatformChoice, select_platform
+from .harness.rank import RankPlugin
+from .harness.session import RANK_SESSION, RankSession, TorchrunEnv
+from .reporting import metrics
 
 _RANK_PLUGIN = "mfsdp-rank"
 _CONTROLLER = "mfsdp-controller"
-_XDIST_RECORDS = "mfsdp_run_records"
+PLATFORM = pytest.StashKey[PlatformChoice]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,7 +43,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
         return
     choice = select_platform(options.resolve(early_config, "platform"), torchrun.local_world_size)
     if choice.platform == "cpu":
-        from . import cuda_emulation
+        from .harness import cuda_emulation
 
         cuda_emulation.enable()
     early_config.stash[PLATFORM] = choice
@@ -56,47 +56,49 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         # One JUnit file per run: rank 0's (it carries every rank's outcome); two ranks writing
         # the same path could interleave.
         config.option.xmlpath = None
-    report_file = config.getoption("mfsdp_report_file")
-    if torchrun is not None and report_file is not None:
+    if torchrun is not None and protocol.launched_by_parent(config):
         # A rank of a set this plugin launched: its own pytest temp dir inside the batch's working
         # dir (two ranks must not share one basetemp; the parent removes the batch dir). Set before
         # pytest_configure, where pytest reads it.
-        config.option.basetemp = str(Path(report_file).parent / f"tmp-rank{torchrun.rank}")
+        config.option.basetemp = str(protocol.batch_dir(config) / f"tmp-rank{torchrun.rank}")
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter and the cache exist
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        f"{MARKER}(world_size=2, tp=1, pp=1, cp=1, timeout=None): run the test on world_size ranks "
-        "(torchrun); tp/pp/cp are Megatron's model-parallel sizes for the test; timeout in seconds",
-    )
+    config.addinivalue_line("markers", marker.MARKER_HELP)
     config.addinivalue_line(
         "markers",
         "mfsdp_config(use_megatron_fsdp=None, set=()): run_config overrides for one test "
         "(wins over --mfsdp-use-megatron-fsdp / --mfsdp-set)",
     )
-    config.stash[OPTIONS] = options.check_all(config)
-    config.stash[SESSION] = None
+    values = config.stash[options.OPTION_VALUES] = options.check_all(config)
+    config.stash[RANK_SESSION] = None
     torchrun = TorchrunEnv.from_environ()
     if torchrun is not None:
-        config.pluginmanager.register(
-            RankPlugin(config, torchrun, lambda: log_dir(config, "torchrun")), _RANK_PLUGIN
+        rank_plugin = RankPlugin(
+            config,
+            torchrun,
+            lambda: protocol.log_dir(config, values["log-dir"], "torchrun"),
+            agreement_timeout_s=values["pg-timeout"],
+            default_timeout_s=values["timeout"],
         )
+        config.pluginmanager.register(rank_plugin, _RANK_PLUGIN)
     else:
-        config.pluginmanager.register(Controller(config), _CONTROLLER)
+        controller = Controller(config, options.forwarded_args(config), values["log-dir"])
+        config.pluginmanager.register(controller, _CONTROLLER)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marker.stash_specs(items)  # a bad marker is a usage error, before any rank work
     torchrun = TorchrunEnv.from_environ()
+    if torchrun is None:
+        return
     for item in items:
-        if item.get_closest_marker(MARKER) is None:
-            continue
-        marker = distributed_marker(item)  # a bad marker is a usage error, before any rank work
-        if torchrun is not None and torchrun.world_size != marker.world_size:
+        spec = protocol.spec_of(item)
+        if spec is not None and torchrun.world_size != spec.world_size:
             item.add_marker(
                 pytest.mark.skip(
-                    reason=f"needs world_size={marker.world_size}; this torchrun session has "
+                    reason=f"needs world_size={spec.world_size}; this torchrun session has "
                     f"{torchrun.world_size} ranks"
                 )
             )
@@ -104,7 +106,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _needs_rank_session(session: pytest.Session) -> bool:
     return any(
-        item.get_closest_marker(MARKER) is not None and not any(m.name == "skip" for m in item.iter_markers())
+        protocol.spec_of(item) is not None and not any(m.name == "skip" for m in item.iter_markers())
         for item in session.items
     )
 
@@ -118,60 +120,54 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if config.option.collectonly or not _needs_rank_session(session):
         return
-    opts = config.stash[OPTIONS]
-    shared_root = opts["shared-dir"]
-    report_file = config.getoption("mfsdp_report_file")
-    if shared_root is None and report_file is not None:
+    values = config.stash[options.OPTION_VALUES]
+    shared_root = values["shared-dir"]
+    if shared_root is None and protocol.launched_by_parent(config):
         # Inside the batch's working dir, which the parent removes even if this rank set is killed.
-        shared_root = str(Path(report_file).parent)
+        shared_root = str(protocol.batch_dir(config))
     rank_session = RankSession.start(
-        torchrun, config.stash[PLATFORM], pg_timeout_s=opts["pg-timeout"], shared_root=shared_root
+        torchrun, config.stash[PLATFORM], pg_timeout_s=values["pg-timeout"], shared_root=shared_root
     )
-    config.stash[SESSION] = rank_session
+    config.stash[RANK_SESSION] = rank_session
     config.pluginmanager.get_plugin(_RANK_PLUGIN).check_same_collection(session, rank_session)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and torchrun.rank == 0:
-        reporter.write_line(rank_session.header())
+        reporter.write_line(rank_session.header(versions.stack_description()))
 
 
 def _plan_plain_session(session: pytest.Session) -> None:
     config = session.config
     remember_items(config, session.items)
-    distributed = [i for i in session.items if i.get_closest_marker(MARKER) is not None]
+    distributed = [i for i in session.items if protocol.spec_of(i) is not None]
     if not distributed:
         return
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
-    lines = plan_platforms(config, controller, distributed)
+    lines = plan_platforms(controller, config.stash[options.OPTION_VALUES]["platform"], distributed)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(
             "megatron-fsdp: distributed tests run in rank sets launched with torchrun; "
             + "; ".join(lines)
-            + f"; torch {versions.package_version('torch')}, "
-            f"megatron-core {versions.package_version('megatron-core')}"
+            + f"; {versions.stack_description()}"
         )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    metrics.attach_to_report(item, report)  # the test's training-run records ride on its report
+    return report
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
-    rank_session = config.stash.get(SESSION, None)
+    rank_session = config.stash.get(RANK_SESSION, None)
     if rank_session is not None:
-        config.stash[SESSION] = None
+        config.stash[RANK_SESSION] = None
         rank_session.close()
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     if controller is not None:
         controller.close_all()
-    workeroutput = getattr(config, "workeroutput", None)
-    if workeroutput is not None:
-        # a pytest-xdist worker: hand the training-run records to the controller's summary
-        workeroutput[_XDIST_RECORDS] = [dataclasses.asdict(r) for r in config.stash.get(RUN_RECORDS, [])]
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error) -> None:
-    """pytest-xdist controller: collect each worker's training-run records."""
-    records = getattr(node, "workeroutput", {}).get(_XDIST_RECORDS, [])
-    node.config.stash.setdefault(RUN_RECORDS, []).extend(RunRecord(**data) for data in records)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -179,14 +175,39 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if controller is not None:
         controller.close_all()  # also after an interrupted session: no rank set outlives pytest
     if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
-        from . import cuda_emulation
+        from .harness import cuda_emulation
 
         cuda_emulation.disable()
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    from . import report  # plain Python, no torch
+def _shows_the_summary(config: pytest.Config, torchrun: TorchrunEnv | None) -> bool:
+    if protocol.launched_by_parent(config):
+        return False  # a launched rank set: the parent session shows and writes everything
+    if hasattr(config, "workerinput"):
+        return False  # a pytest-xdist worker: its reports go to the controller, which shows them
+    return torchrun is None or torchrun.rank == 0  # other ranks must not overwrite rank 0's report
 
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    torchrun = TorchrunEnv.from_environ()
+    if not _shows_the_summary(config, torchrun):
+        return
+    from .reporting import report  # plain Python, no torch
+
+    values = config.stash[options.OPTION_VALUES]
+    reports = [r for category in terminalreporter.stats.values() for r in category]
+    json_path, plot_path = (_in_invocation_dir(config, values[name]) for name in ("report-json", "plot"))
     report.terminal_summary(
-        terminalreporter, config, config.stash.get(RUN_RECORDS, []), report.session_mode()
+        terminalreporter,
+        metrics.records_from_reports(reports),
+        "plain" if torchrun is None else "torchrun",
+        json_path,
+        plot_path,
     )
+
+
+def _in_invocation_dir(config: pytest.Config, raw: str | None) -> Path | None:
+    if not raw:
+        return None
+    path = Path(raw)
+    return path if path.is_absolute() else Path(config.invocation_params.dir) / path

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from pytest_megatron_fsdp import ConfigError
-from pytest_megatron_fsdp import checkpoint as ckpt
 from pytest_megatron_fsdp.checkpoint import (
     CheckpointError,
     assert_states_differ,
@@ -31,6 +30,7 @@ from pytest_megatron_fsdp.checkpoint import (
     save_checkpoint,
     state_snapshot,
 )
+from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed(world_size=2)
 

@@ -15,9 +15,9 @@ from pytest_megatron_fsdp import (
     assert_last_loss_finite,
     assert_loss_decreased,
     assert_megatron_fsdp_sharded,
-    versions,
 )
 from pytest_megatron_fsdp.config import apply_perf_harness_overrides
+from pytest_megatron_fsdp.fsdp import versions
 
 ITERS = 6
 OPTIM_OVERLAP_CPU_MISMATCH = (
@@ -225,10 +225,10 @@ def test_config_marker_reaches_run_config_and_picks_the_wrapper(megatron_fsdp_ru
 
 @pytest.mark.distributed(world_size=2)
 def test_invalid_config_fails_before_the_model_is_built(megatron_fsdp_run, run_config, monkeypatch):
-    from pytest_megatron_fsdp import config, training
+    from pytest_megatron_fsdp.fsdp import config, model
 
     built = []
-    monkeypatch.setattr(training, "build_gpt", lambda *a: built.append(a))
+    monkeypatch.setattr(model, "build_gpt", lambda *a: built.append(a))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with pytest.raises(config.ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS='1'"):
         megatron_fsdp_run(run_config)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pytest_megatron_fsdp import checkpoint as ckpt
 from pytest_megatron_fsdp.checkpoint import CheckpointError, checkpoint_problems, read_tracker
+from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
 
 
 @pytest.fixture

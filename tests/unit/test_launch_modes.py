@@ -120,10 +120,12 @@ def test_ranks_and_shared_dir(dist_env):
 def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
     pytester.makeini("[pytest]\nmfsdp_timeout = 40\n")
     pytester.makeconftest(
-        "from pytest_megatron_fsdp.rank import timeout_for\n"
+        "import pytest\n"
+        "from pytest_megatron_fsdp.harness.protocol import spec_of\n"
+        "@pytest.hookimpl(trylast=True)\n"
         "def pytest_collection_modifyitems(items):\n"
         "    for item in items:\n"
-        "        print('TIMEOUT', item.name, timeout_for(item))\n"
+        "        print('TIMEOUT', item.name, spec_of(item).timeout_s)\n"
     )
     pytester.makepyfile(
         "import pytest\n"
@@ -145,7 +147,7 @@ def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
 
 # A parent session that sees n GPUs (no rank is launched in these tests, so only the parent needs it).
 FAKE_GPUS = """
-from pytest_megatron_fsdp import platform
+from pytest_megatron_fsdp.harness import platform
 platform.visible_gpu_count = lambda fast=False: {n}
 """
 

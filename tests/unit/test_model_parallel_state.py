@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from pytest_megatron_fsdp import versions
+from pytest_megatron_fsdp.fsdp import versions
 
 two_ranks = pytest.mark.distributed(world_size=2)
 

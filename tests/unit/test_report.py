@@ -8,7 +8,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pytest_megatron_fsdp.report import (
+from pytest_megatron_fsdp.reporting.record import RunRecord
+from pytest_megatron_fsdp.reporting.report import (
     BARS,
     NAN_MARK,
     junit_properties,
@@ -18,7 +19,6 @@ from pytest_megatron_fsdp.report import (
     write_json,
     write_plot,
 )
-from pytest_megatron_fsdp.state import RunRecord
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "schemas" / "mfsdp-report.schema.json").read_text())
 NAN = float("nan")
@@ -164,7 +164,7 @@ def test_report_and_metrics_modules_load_without_torch():
     import subprocess
 
     code = (
-        "import sys, pytest_megatron_fsdp.report, pytest_megatron_fsdp.metrics\n"
+        "import sys, pytest_megatron_fsdp.reporting.report, pytest_megatron_fsdp.metrics\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')]\n"
         "assert not heavy, heavy\n"
     )

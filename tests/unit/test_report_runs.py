@@ -15,7 +15,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pytest_megatron_fsdp.presets import PRESETS
+from pytest_megatron_fsdp import PRESETS
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "schemas" / "mfsdp-report.schema.json").read_text())
 
@@ -28,8 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pytest_megatron_fsdp.metrics import checkpoint_size_bytes, record_checkpoint
-from pytest_megatron_fsdp.state import RUN_RECORDS
+from pytest_megatron_fsdp.metrics import checkpoint_size_bytes, record_checkpoint, run_records
 
 pytestmark = pytest.mark.distributed(world_size=2)
 
@@ -56,7 +55,7 @@ def test_reduced_across_ranks(request, megatron_fsdp_run, run_config, dist_env):
     every = [torch.zeros_like(mine) for _ in range(dist_env.world_size)]
     dist.all_gather(every, mine)
     if dist_env.rank == 0:
-        record = request.config.stash[RUN_RECORDS][-1]
+        record = run_records(request)[-1]
         expected = torch.stack(every).max(dim=0).values.tolist()
         assert record.step_times_s == expected[1:]  # each step: the slower rank's time
         # Peaks only grow, and these were read after the record's: rank 1's (with its ballast), not

@@ -10,20 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .collectives import gather_objects
 from .results import TrainResult
-
-
-def _all_gather(value: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def assert_last_loss_finite(result: TrainResult) -> None:
     """The last iteration's loss is finite on every rank (each rank's own loss, before reduction)."""
-    per_rank = _all_gather(result.local_losses)
+    per_rank = gather_objects(result.local_losses)
     iteration = len(result.local_losses)
     bad = [(rank, losses[-1]) for rank, losses in enumerate(per_rank) if not math.isfinite(losses[-1])]
     if bad:
@@ -77,7 +70,7 @@ def assert_megatron_fsdp_sharded(model: Any, tolerance: float = 0.1) -> None:
             "megatron.core.distributed.FullyShardedDataParallel"
         )
     local, total = sharded_fraction(model)
-    per_rank = _all_gather(local)
+    per_rank = gather_objects(local)
     world = dist.get_world_size()
     if total == 0:
         raise AssertionError("the Megatron-FSDP model's state_dict holds no DTensor shards")

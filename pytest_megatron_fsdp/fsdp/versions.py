@@ -5,6 +5,7 @@ Reads package metadata only: importing this module imports neither torch nor meg
 
 from __future__ import annotations
 
+import functools
 from importlib import metadata
 from typing import Any
 
@@ -30,10 +31,15 @@ def megatron_core_version() -> tuple[int, ...]:
     return _version_tuple(package_version("megatron-core"))
 
 
+def stack_description() -> str:
+    """The packages under test, for the session header: ``torch X, megatron-core Y``."""
+    return f"torch {package_version('torch')}, megatron-core {package_version('megatron-core')}"
+
+
 TENSOR_PARALLEL_FSDP_TE_BUG = (
     "megatron-core < 0.17 without Transformer Engine: FullyShardedDataParallel."
     "_fix_tensor_parallel_attributes does isinstance(m, (TELinear,)) with TELinear None -> TypeError "
-    "for tp > 1 (upstream bug, gone in 0.19.2 where tp=2 trains; FINDINGS section 2)"
+    "for tp > 1 (upstream bug, fixed in megatron-core 0.18 by PR #3191)"
 )
 
 
@@ -62,17 +68,27 @@ def transformer_engine_available() -> bool:
 def tensor_parallel_fsdp_needs_te() -> bool:
     """megatron-core < 0.17 without Transformer Engine: FullyShardedDataParallel's
     ``_fix_tensor_parallel_attributes`` does ``isinstance(m, (TELinear,))`` with ``TELinear`` None,
-    a TypeError for any tp > 1 (upstream bug, fixed by 0.19; FINDINGS §2)."""
+    a TypeError for any tp > 1 (upstream bug, fixed in megatron-core 0.18 by PR #3191)."""
     return megatron_core_version() < (0, 17) and not transformer_engine_available()
 
 
-#: megatron-core dataclasses whose field names the config checks, by the file that defines them
+#: megatron-core dataclasses whose field names the config checks: the files defining them and the
+#: classes whose fields they inherit
+_DDP_SOURCE = "distributed/distributed_data_parallel_config.py"
 _MEGATRON_CONFIG_SOURCES = {
-    "DistributedDataParallelConfig": ("distributed/distributed_data_parallel_config.py",),
-    "TransformerConfig": ("transformer/transformer_config.py", "model_parallel_config.py"),
+    "DistributedDataParallelConfig": ((_DDP_SOURCE,), {"DistributedDataParallelConfig"}),
+    "TorchFullyShardedDataParallelConfig": (
+        ("distributed/torch_fully_sharded_data_parallel_config.py", _DDP_SOURCE),
+        {"TorchFullyShardedDataParallelConfig", "DistributedDataParallelConfig"},
+    ),
+    "TransformerConfig": (
+        ("transformer/transformer_config.py", "model_parallel_config.py"),
+        {"TransformerConfig", "ModelParallelConfig"},
+    ),
 }
 
 
+@functools.cache
 def megatron_config_fields(class_name: str) -> frozenset[str] | None:
     """Field names of the installed megatron-core's ``DistributedDataParallelConfig`` or
     ``TransformerConfig`` (with ``ModelParallelConfig``), read from its source with ``ast``.
@@ -91,8 +107,8 @@ def megatron_config_fields(class_name: str) -> frozenset[str] | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     names: set[str] = set()
-    classes = {class_name, "ModelParallelConfig"} if class_name == "TransformerConfig" else {class_name}
-    for relative in _MEGATRON_CONFIG_SOURCES[class_name]:
+    sources, classes = _MEGATRON_CONFIG_SOURCES[class_name]
+    for relative in sources:
         for root in spec.submodule_search_locations:
             path = f"{root}/core/{relative}"
             try:

@@ -8,7 +8,6 @@ rank stuck in a collective ignores gentler signals).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -20,6 +19,8 @@ import time
 from collections import deque
 from pathlib import Path
 from typing import Any
+
+from .protocol import BATCH_FILE_FLAG, REPORT_FILE_FLAG, decode_event, write_batch
 
 #: torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : 3 (pid: 123)"
 _FAILURE_ENTRY = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -43,14 +44,15 @@ class RankSet:
     def __init__(
         self,
         world_size: int,
-        nodeids: list[str],
+        tests: list[tuple[str, float]],
         files: list[str],
         pytest_args: list[str],
         log_dir: Path,
         cwd: Path,
     ) -> None:
         self.world_size = world_size
-        self.nodeids = list(nodeids)
+        #: (node id, timeout seconds) of each test, in order
+        self.tests = list(tests)
         self.log_dir = log_dir
         self.work_dir = Path(tempfile.mkdtemp(prefix="mfsdp-batch-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +61,7 @@ class RankSet:
         self.events_path = self.work_dir / "events.jsonl"
         self.events_path.touch()
         batch_path = self.work_dir / "batch.txt"
-        batch_path.write_text("\n".join(nodeids) + "\n")
+        write_batch(batch_path, self.tests)
         self.output_path = log_dir / "torchrun.log"
         command = [
             sys.executable,
@@ -71,8 +73,8 @@ class RankSet:
             "-m",
             "pytest",
             *files,
-            f"--mfsdp-report-file={self.events_path}",
-            f"--mfsdp-batch-file={batch_path}",
+            f"{REPORT_FILE_FLAG}={self.events_path}",
+            f"{BATCH_FILE_FLAG}={batch_path}",
             f"--mfsdp-log-dir={log_dir}",
             *pytest_args,
         ]
@@ -109,7 +111,7 @@ class RankSet:
         self._events_offset += len(complete)
         for line in complete.splitlines():
             if line.strip():
-                self._events.append(json.loads(line))
+                self._events.append(decode_event(line))
         return self._events
 
     def new_output(self) -> str:

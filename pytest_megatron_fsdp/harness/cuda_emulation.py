@@ -1,7 +1,8 @@
 """CUDA-on-CPU emulation: lets the real Megatron-FSDP code run on CPU ranks over gloo.
 
 Megatron-FSDP is written for CUDA, but its logic is device-neutral once the CUDA entry points it
-touches get CPU meanings (FINDINGS §2). This module gives them those meanings and nothing more:
+touches get CPU meanings (measured on 2 gloo ranks: streams, events, RNG, device meshes and
+device arguments were all it took). This module gives them those meanings and nothing more:
 
 * streams, events and ``synchronize`` become no-ops (CPU work is already ordered);
 * memory queries answer 0, ``current_device`` answers 0, ``set_device`` does nothing;

@@ -30,27 +30,43 @@ from typing import IO, Any
 import pytest
 from _pytest.runner import runtestprotocol
 
-from . import options
-from .session import RankSession, TorchrunEnv
-from .state import MARKER, OPTIONS, RUN_RECORDS, SESSION, distributed_marker
-
-#: exit status of a rank ended by its watchdog (as coreutils' timeout)
-TIMEOUT_EXIT_CODE = 124
-TIMEOUT_BANNER = "MFSDP-TIMEOUT"
-_OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+from .agreement import merge_reports, summarise
+from .protocol import (
+    BATCH_FILE_DEST,
+    REPORT_FILE_DEST,
+    TIMEOUT_BANNER,
+    TIMEOUT_EXIT_CODE,
+    encode_event,
+    launched_by_parent,
+    read_batch,
+    spec_of,
+)
+from .session import RANK_SESSION, RankSession, TorchrunEnv
 
 
 class RankPlugin:
     """Registered in every torchrun rank, as ``mfsdp-rank``."""
 
-    def __init__(self, config: pytest.Config, torchrun: TorchrunEnv, log_dir: Callable[[], Path]) -> None:
+    def __init__(
+        self,
+        config: pytest.Config,
+        torchrun: TorchrunEnv,
+        log_dir: Callable[[], Path],
+        agreement_timeout_s: float,
+        default_timeout_s: float,
+    ) -> None:
         self.config = config
         self.torchrun = torchrun
         self.rank = torchrun.rank
         self._log_dir = log_dir
-        report_file = config.getoption("mfsdp_report_file")
-        self.launched = report_file is not None
-        self._report_file = report_file
+        #: seconds the ranks wait for each other's collection (the process-group timeout)
+        self._agreement_timeout_s = agreement_timeout_s
+        #: for tests without the marker that run in this rank session (torchrun mode)
+        self._default_timeout_s = default_timeout_s
+        self.launched = launched_by_parent(config)
+        self._report_file = config.getoption(REPORT_FILE_DEST)
+        #: the parent's resolved timeout per test (launched rank sets only)
+        self._batch_timeouts: dict[str, float] = {}
         self.events: IO[str] | None = None
         self._test_index = 0
         self._released = False
@@ -84,7 +100,7 @@ class RankPlugin:
 
     def _event(self, kind: str, **data: Any) -> None:
         if self.events is not None:
-            self.events.write(json.dumps({"event": kind, **data}) + "\n")
+            self.events.write(encode_event(kind, **data))
 
     def _quiet_terminal(self, config: pytest.Config) -> None:
         """This rank's terminal report goes to its log file (rank 0's reaches the user)."""
@@ -118,10 +134,12 @@ class RankPlugin:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         """In a rank set the plugin launched: exactly the parent's batch, in the parent's order."""
-        batch_file = config.getoption("mfsdp_batch_file")
+        batch_file = config.getoption(BATCH_FILE_DEST)
         if batch_file is None:
             return
-        wanted = [line for line in Path(batch_file).read_text().splitlines() if line]
+        batch = read_batch(Path(batch_file))
+        self._batch_timeouts = dict(batch)
+        wanted = [nodeid for nodeid, _ in batch]
         by_id = {item.nodeid: item for item in items}
         selected = [by_id[nodeid] for nodeid in wanted if nodeid in by_id]
         chosen = set(selected)
@@ -136,7 +154,7 @@ class RankPlugin:
         store = rank_session.store
         store.set(f"collect/{self.rank}", json.dumps(mine))
         keys = [f"collect/{r}" for r in range(self.torchrun.world_size)]
-        store.wait(keys, datetime.timedelta(seconds=_agreement_timeout(self.config)))
+        store.wait(keys, datetime.timedelta(seconds=self._agreement_timeout_s))
         reference = json.loads(store.get("collect/0"))
         for rank in range(1, self.torchrun.world_size):
             theirs = json.loads(store.get(f"collect/{rank}"))
@@ -150,30 +168,34 @@ class RankPlugin:
 
     # -- running ------------------------------------------------------------------------------------
 
+    def timeout_for(self, item: pytest.Item) -> float:
+        """The parent's figure in a launched rank set, else the spec's (both resolved once)."""
+        if item.nodeid in self._batch_timeouts:
+            return self._batch_timeouts[item.nodeid]
+        spec = spec_of(item)
+        return spec.timeout_s if spec is not None else self._default_timeout_s
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        rank_session: RankSession | None = self.config.stash.get(SESSION, None)
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
         if rank_session is None:
             return None
         index = self._test_index
         self._test_index += 1
-        timeout = timeout_for(item)
+        timeout = self.timeout_for(item)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         self._log(f"START {item.nodeid} (timeout {timeout:g} s)")
         self._event("start", nodeid=item.nodeid)
-        records_before = len(self.config.stash.get(RUN_RECORDS, []))
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
             reports = runtestprotocol(item, nextitem=nextitem, log=False)
-            merged = self._agree(item, index, reports, rank_session, deadline)
+            merged = self._exchange_outcomes(item, index, reports, rank_session, deadline)
         for report in merged:
             item.ihook.pytest_runtest_logreport(report=report)
             self._event(
                 "report",
                 report=self.config.hook.pytest_report_to_serializable(config=self.config, report=report),
             )
-        for record in self.config.stash.get(RUN_RECORDS, [])[records_before:]:
-            self._event("record", record=record.__dict__)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         self._event("finish", nodeid=item.nodeid)
         return True
@@ -181,7 +203,7 @@ class RankPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
         report = yield
-        rank_session: RankSession | None = self.config.stash.get(SESSION, None)
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
         if rank_session is not None and (report.failed or (report.skipped and report.when == "call")):
             # Peers may be waiting in a collective this rank will never enter: let them fail now
             # rather than wait out the process-group timeout. The group is rebuilt after the test.
@@ -213,7 +235,7 @@ class RankPlugin:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
-            rank_session = self.config.stash.get(SESSION, None)
+            rank_session = self.config.stash.get(RANK_SESSION, None)
             if rank_session is not None and self.rank == 0:
                 # nothing else will remove it: this process ends here, without teardown
                 shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
@@ -229,7 +251,7 @@ class RankPlugin:
             done.set()
             faulthandler.cancel_dump_traceback_later()
 
-    def _agree(
+    def _exchange_outcomes(
         self,
         item: pytest.Item,
         index: int,
@@ -239,7 +261,7 @@ class RankPlugin:
     ) -> list[pytest.TestReport]:
         """Exchange every rank's phase outcomes through the store; return the agreed reports."""
         store = rank_session.store
-        mine = {r.when: _summarise(r) for r in reports}
+        mine = {r.when: summarise(r) for r in reports}
         released, self._released = self._released, False
         store.set(
             f"test/{index}/{self.rank}",
@@ -265,99 +287,6 @@ class RankPlugin:
         return merge_reports(item, reports, per_rank, self.rank, log_dir)
 
 
-def _summarise(report: pytest.TestReport) -> dict[str, Any]:
-    data: dict[str, Any] = {"outcome": report.outcome, "duration": report.duration}
-    if report.failed:
-        data["text"] = report.longreprtext
-    elif report.skipped and isinstance(report.longrepr, tuple):
-        data["text"] = report.longrepr[2]
-    data["sections"] = [list(s) for s in report.sections]
-    return data
-
-
-def merge_reports(
-    item: pytest.Item,
-    local: list[pytest.TestReport],
-    per_rank: dict[int, dict[str, Any]],
-    my_rank: int,
-    log_dir: Path,
-) -> list[pytest.TestReport]:
-    """One consistent set of reports from every rank's phases: failed > skipped > passed.
-
-    A phase fails when it failed on any rank; the failing ranks' tracebacks, captured output and
-    log paths go into the report. A skip on some ranks (and no failure) is a skip everywhere.
-    """
-    local_by_phase = {r.when: r for r in local}
-    merged: list[pytest.TestReport] = []
-    for when in ("setup", "call", "teardown"):
-        phase = {rank: phases[when] for rank, phases in per_rank.items() if when in phases}
-        if not phase:
-            continue
-        if when == "call" and merged and merged[0].outcome != "passed":
-            continue  # setup did not pass everywhere: no call phase, as in pytest
-        worst = max(phase.values(), key=lambda p: _OUTCOME_RANK[p["outcome"]])["outcome"]
-        if when == "setup" and worst == "skipped":
-            # Some rank skipped but another went on and failed its call: that failure must not vanish.
-            failed_calls = {
-                r: p["call"] for r, p in per_rank.items() if p.get("call", {}).get("outcome") == "failed"
-            }
-            if failed_calls:
-                phase = {**phase, **failed_calls}
-                worst = "failed"
-        base = local_by_phase.get(when)
-        report = pytest.TestReport(
-            nodeid=item.nodeid,
-            location=item.location,
-            keywords={k: 1 for k in item.keywords},
-            outcome=worst,
-            longrepr=None,
-            when=when,
-            sections=list(base.sections) if base is not None else [],
-            duration=max(p["duration"] for p in phase.values()),
-            user_properties=list(item.user_properties),
-        )
-        for rank, p in sorted(phase.items()):
-            if rank != my_rank:
-                report.sections.extend((f"{title} (rank {rank})", text) for title, text in p["sections"])
-        if worst == "failed":
-            failing = sorted(r for r, p in phase.items() if p["outcome"] == "failed")
-            passing = sorted(r for r, p in phase.items() if p["outcome"] != "failed")
-            parts = [
-                f"failed on rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))}"
-                + (f" (passed on {', '.join(map(str, passing))})" if passing else "")
-            ]
-            for rank in failing:
-                parts.append(f"---------- rank {rank} (log: {log_dir / f'rank{rank}.log'}) ----------")
-                parts.append(phase[rank].get("text", ""))
-            report.longrepr = "\n".join(parts)
-        elif worst == "skipped" and base is not None and hasattr(base, "wasxfail"):
-            # an expected failure (xfail) is reported as pytest reports it: the reason in
-            # `wasxfail`, the failure's own traceback as longrepr
-            report.wasxfail = base.wasxfail
-            report.longrepr = base.longrepr
-        elif worst == "skipped":
-            skipping = sorted(r for r, p in phase.items() if p["outcome"] == "skipped")
-            reason = phase[skipping[0]].get("text", "skipped")
-            if len(skipping) < len(phase):
-                others = sorted(set(phase) - set(skipping))
-                reason += (
-                    f" (skipped on rank {', '.join(map(str, skipping))} only; "
-                    f"rank {', '.join(map(str, others))} did not skip)"
-                )
-            path, lineno, _ = item.location
-            if (
-                base is not None
-                and base.skipped
-                and isinstance(base.longrepr, tuple)
-                and len(skipping) == len(phase)
-            ):
-                report.longrepr = base.longrepr
-            else:
-                report.longrepr = (str(item.path), (lineno or 0) + 1, reason)
-        merged.append(report)
-    return merged
-
-
 def _first_difference(reference: list[str], theirs: list[str], rank: int) -> str:
     for position, (a, b) in enumerate(zip(reference, theirs, strict=False)):
         if a != b:
@@ -370,14 +299,3 @@ def _first_difference(reference: list[str], theirs: list[str], rank: int) -> str
             f"first extra test on rank {who}: {extra!r}"
         )
     return "identical"
-
-
-def _agreement_timeout(config: pytest.Config) -> float:
-    return float(config.stash[OPTIONS]["pg-timeout"])
-
-
-def timeout_for(item: pytest.Item) -> float:
-    """Seconds the test may take: marker ``timeout=`` > ``--mfsdp-timeout`` > env > ini > default."""
-    marker = item.get_closest_marker(MARKER)
-    marker_value = distributed_marker(item).timeout if marker is not None else None
-    return float(options.resolve(item.config, "timeout", marker_value))

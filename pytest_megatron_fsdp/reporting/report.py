@@ -12,12 +12,11 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .state import RunRecord
+from .record import RunRecord
 
 SCHEMA_VERSION = 1
 BARS = "▁▂▃▄▅▆▇█"
@@ -230,25 +229,16 @@ def write_plot(path: Path, records: Sequence[RunRecord]) -> str:
     return f"loss plot: {path}"
 
 
-def _resolve(config: Any, raw: str) -> Path:
-    path = Path(raw)
-    return path if path.is_absolute() else Path(config.invocation_params.dir) / path
-
-
-def terminal_summary(terminalreporter: Any, config: Any, records: Sequence[RunRecord], mode: str) -> None:
-    """The end-of-session section, and the report files the options ask for."""
-    from .options import resolve
-
-    if config.getoption("mfsdp_report_file") is not None:
-        return  # a rank set launched by the plugin: the parent session shows and writes everything
-    if hasattr(config, "workerinput"):
-        return  # a pytest-xdist worker: its records go to the controller, which shows and writes them
-    if mode == "torchrun" and os.environ.get("RANK") != "0":
-        return  # only rank 0 holds the records; other ranks must not overwrite its report
-    json_path, plot_path = resolve(config, "report-json"), resolve(config, "plot")
+def terminal_summary(
+    terminalreporter: Any,
+    records: Sequence[RunRecord],
+    mode: str,
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+) -> None:
+    """The end-of-session section, and the report files asked for (paths already resolved)."""
     if json_path:
-        path = _resolve(config, json_path)
-        write_json(path, report_document(records, mode))
+        write_json(json_path, report_document(records, mode))
     if not records and not json_path:
         return
     terminalreporter.section("megatron-fsdp training runs")
@@ -257,10 +247,6 @@ def terminal_summary(terminalreporter: Any, config: Any, records: Sequence[RunRe
     if not records:
         terminalreporter.write_line("no training runs recorded")
     if json_path:
-        terminalreporter.write_line(f"JSON report: {path}")
+        terminalreporter.write_line(f"JSON report: {json_path}")
     if plot_path and records:
-        terminalreporter.write_line(write_plot(_resolve(config, plot_path), records))
-
-
-def session_mode() -> str:
-    return "torchrun" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else "plain"
+        terminalreporter.write_line(write_plot(plot_path, records))

@@ -9,19 +9,17 @@ rest of the batch continues in a fresh rank set.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from . import options
 from .launcher import RankSet, describe_exit
-from .rank import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, timeout_for
-from .state import MARKER, RUN_RECORDS, RunRecord, distributed_marker
+from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, log_dir, spec_of
 
 #: seconds a fresh rank set may spend starting (imports, rendezvous) before its first test counts
 STARTUP_ALLOWANCE_S = 120.0
@@ -35,8 +33,14 @@ EXIT_WAIT_S = 60.0
 class Controller:
     """Registered in a plain (non-torchrun) pytest process, as ``mfsdp-controller``."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(
+        self, config: pytest.Config, forwarded_args: list[str], explicit_log_dir: str | None
+    ) -> None:
+        """``forwarded_args``: the plugin's own options as the user gave them, for the ranks' pytest
+        (the platform is added per world size); ``explicit_log_dir``: ``--mfsdp-log-dir``."""
         self.config = config
+        self._forwarded_args = list(forwarded_args)
+        self._explicit_log_dir = explicit_log_dir
         #: the platform each world size runs on, decided once per session (see plan_platforms)
         self.platforms: dict[int, str] = {}
         self.active: dict[int, RankSet] = {}
@@ -56,20 +60,20 @@ class Controller:
         batch = [
             i
             for i in items[start:]
-            if i.get_closest_marker(MARKER) is not None
+            if (spec := spec_of(i)) is not None
             and UNHOSTABLE not in i.stash
-            and distributed_marker(i).world_size == world_size
+            and spec.world_size == world_size
         ]
         files = list(dict.fromkeys(str(i.path) for i in batch))
         self._batches += 1
-        logs = log_dir(self.config, f"batch{self._batches}-world{world_size}")
+        logs = self.log_dir(f"batch{self._batches}-world{world_size}")
         if self._batches == 1:
             # the previous session's rank-set logs: this session's replace them
             for old in logs.parent.glob("batch*-world*"):
                 shutil.rmtree(old, ignore_errors=True)
         rank_set = RankSet(
             world_size,
-            [i.nodeid for i in batch],
+            [(i.nodeid, spec_of(i).timeout_s) for i in batch],
             files,
             self._pytest_args(world_size),
             logs,
@@ -94,12 +98,7 @@ class Controller:
             args += ["-o", override]
         for warning in getattr(opt, "pythonwarnings", None) or []:
             args += ["-W", warning]
-        for option in options.OPTIONS.values():
-            value = getattr(opt, option.dest, None)
-            if value is None or option.name in ("platform", "log-dir"):
-                continue
-            for one in value if option.multiple else [value]:
-                args.append(f"{option.flag}={one}")
+        args += self._forwarded_args
         # The parent decided the platform once; every rank set uses that decision.
         args.append(f"--mfsdp-platform={self.platforms[world_size]}")
         return args
@@ -114,13 +113,17 @@ class Controller:
         for world_size in list(self.active):
             self._close(world_size)
 
+    def log_dir(self, name: str) -> Path:
+        return log_dir(self.config, self._explicit_log_dir, name)
+
     # -- running ------------------------------------------------------------------------------------
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        if item.get_closest_marker(MARKER) is None or UNHOSTABLE in item.stash:
+        spec = spec_of(item)
+        if spec is None or UNHOSTABLE in item.stash:
             return None  # plain tests, and tests skipped for want of GPUs, run as usual
-        world_size = distributed_marker(item).world_size
+        world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         reports = self._collect_reports(item, rank_set)
@@ -155,7 +158,7 @@ class Controller:
             reporter.write_line(f"megatron-fsdp: {text}", yellow=True)
 
     def _collect_reports(self, item: pytest.Item, rank_set: RankSet) -> list[pytest.TestReport]:
-        timeout = timeout_for(item)
+        timeout = spec_of(item).timeout_s
         startup = STARTUP_ALLOWANCE_S if rank_set.tests_finished == 0 else 0.0
         deadline = time.monotonic() + timeout + KILL_GRACE_S + startup
         relay = self.config.option.capture == "no"
@@ -182,8 +185,6 @@ class Controller:
                     started = True
                 elif kind == "report":
                     reports.append(_report_from_event(self.config, event["report"]))
-                elif kind == "record":
-                    self.config.stash.setdefault(RUN_RECORDS, []).append(RunRecord(**event["record"]))
                 elif kind == "finish":
                     rank_set.tests_finished += 1
                     if relay:
@@ -296,19 +297,6 @@ def _not_collected(item: pytest.Item, event: dict[str, Any]) -> str:
     )
 
 
-def log_dir(config: pytest.Config, name: str) -> Path:
-    """Where a rank set's logs go: ``--mfsdp-log-dir`` as given to a launched rank set, else
-    ``<log-dir or .pytest_cache/d/mfsdp-logs>/<name>`` (kept after the run, replaced by the next)."""
-    explicit = options.resolve(config, "log-dir")
-    if explicit and config.getoption("mfsdp_report_file"):
-        return Path(explicit)  # the parent already chose this rank set's own directory
-    if explicit:
-        return Path(explicit) / name
-    if getattr(config, "cache", None) is not None:
-        return config.cache.mkdir("mfsdp-logs") / name
-    return Path(tempfile.gettempdir()) / "mfsdp-logs" / name
-
-
 _SESSION_ITEMS = pytest.StashKey[list]()
 #: set on a distributed test this machine cannot host (too few GPUs): it is skipped, not launched
 UNHOSTABLE = pytest.StashKey[str]()
@@ -320,12 +308,10 @@ def remember_items(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 def max_cpu_ranks() -> int:
     """CPU ranks this machine hosts in one rank set (oversubscribing cores past this only thrashes)."""
-    import os
-
     return max(4, 2 * (os.cpu_count() or 1))
 
 
-def plan_platforms(config: pytest.Config, controller: Controller, items: list[pytest.Item]) -> list[str]:
+def plan_platforms(controller: Controller, requested: str, items: list[pytest.Item]) -> list[str]:
     """Decide each world size's platform before any rank starts; returns header lines.
 
     ``cuda`` (asked for or chosen by ``auto``) needs one GPU per rank: a test needing more GPUs than
@@ -334,9 +320,8 @@ def plan_platforms(config: pytest.Config, controller: Controller, items: list[py
     """
     from .platform import PlatformError, select_platform, visible_gpu_count
 
-    requested = options.resolve(config, "platform")
     lines = []
-    for world_size in sorted({distributed_marker(i).world_size for i in items}):
+    for world_size in sorted({spec_of(i).world_size for i in items}):
         try:
             choice = select_platform(requested, world_size)
         except PlatformError as exc:
@@ -347,7 +332,7 @@ def plan_platforms(config: pytest.Config, controller: Controller, items: list[py
                 f"needs {world_size} GPUs (world_size={world_size}, --mfsdp-platform=cuda); {gpus} visible"
             )
             for i in items:
-                if distributed_marker(i).world_size == world_size:
+                if spec_of(i).world_size == world_size:
                     i.stash[UNHOSTABLE] = reason
                     i.add_marker(pytest.mark.skip(reason=reason))
             lines.append(f"world_size={world_size}: skipped ({exc})")

@@ -1,4 +1,5 @@
-"""Model presets: the tiny CPU default and the Megatron-Bridge reference model (FINDINGS §3).
+"""Model presets: the tiny CPU default and the Megatron-Bridge reference model (the model of
+Bridge's ``tests/functional_tests/test_groups/megatron_fsdp/test_megatron_fsdp.py``).
 
 Plain data, no torch import: the plugin validates ``--mfsdp-preset`` against these names at start-up.
 """

@@ -10,15 +10,19 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import versions
-from .environment import DistEnv
+import pytest
+
+from ..environment import DistEnv
 from .platform import PlatformChoice
+
+#: this rank's session (None until a collected test needs one, and after it closed)
+RANK_SESSION = pytest.StashKey["RankSession | None"]()
 
 
 @dataclass(frozen=True)
@@ -62,15 +66,6 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     )
 
 
-def _forget_model_parallel_state() -> None:
-    """Megatron's model-parallel state (kept across tests) names groups the default one's
-    destruction ends: drop it first, so the next test builds it afresh. A no-op until a test has
-    loaded the training module (plain torch.distributed tests never import megatron)."""
-    training = sys.modules.get(f"{__package__}.training")
-    if training is not None:
-        training.destroy_model_parallel()
-
-
 class RankSession:
     """This rank's part of the distributed session."""
 
@@ -90,6 +85,20 @@ class RankSession:
         self.generation = 0
         #: the rendezvous store, for the harness's own bounded-wait agreements (not collectives)
         self.store = harness_store
+        self._on_release: list[Callable[[], None]] = []
+
+    def on_release(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (once per registration) each time the process group is about to go.
+
+        State built on the group's subgroups (e.g. Megatron's model-parallel state, kept across
+        tests) must be dropped first, so the next test builds it afresh on the new group.
+        """
+        if callback not in self._on_release:
+            self._on_release.append(callback)
+
+    def _release_dependents(self) -> None:
+        for callback in reversed(self._on_release):
+            callback()
 
     def _init_process_group(self) -> None:
         import torch
@@ -115,7 +124,7 @@ class RankSession:
         """
         import torch.distributed as dist
 
-        _forget_model_parallel_state()
+        self._release_dependents()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -170,12 +179,11 @@ class RankSession:
         session._init_process_group()
         return session
 
-    def header(self) -> str:
+    def header(self, stack: str) -> str:
+        """The session's header line; ``stack`` names the package versions under test."""
         return (
             f"megatron-fsdp: platform={self.env.platform} ({self.choice.reason}), "
-            f"backend={self.env.backend}, world_size={self.env.world_size}, "
-            f"torch {versions.package_version('torch')}, "
-            f"megatron-core {versions.package_version('megatron-core')}"
+            f"backend={self.env.backend}, world_size={self.env.world_size}, {stack}"
         )
 
     def close(self) -> None:
@@ -189,7 +197,7 @@ class RankSession:
             self.store.wait([f"closing/{r}" for r in range(world)], datetime.timedelta(seconds=30))
         except Exception:  # noqa: BLE001 - a rank that is gone has nothing left to wait for
             pass
-        _forget_model_parallel_state()
+        self._release_dependents()
         if dist.is_initialized():
             dist.destroy_process_group()
         if rank == 0:

@@ -1,0 +1,1 @@
+"""The Megatron-FSDP domain: config, model, training, checkpoints. Imports no pytest."""

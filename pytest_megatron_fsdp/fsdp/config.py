@@ -1,0 +1,545 @@
+"""A run config with Megatron-Bridge's section and field names, and its validation rules.
+
+Users think in Bridge's terms (``cfg.dist.use_megatron_fsdp``, ``cfg.ddp.data_parallel_sharding_strategy``,
+``cfg.checkpoint.ckpt_format``...), so the harness speaks them. Everything here is plain data: no
+torch import, so a bad config fails before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import versions
+from .presets import ModelPreset, get_preset
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+CKPT_FORMATS = ("fsdp_dtensor", "torch_dist", "torch", "zarr")
+#: formats Megatron can save asynchronously (Megatron-LM arguments.py)
+ASYNC_CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
+BACKENDS = ("nccl", "gloo")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+
+
+class ConfigError(ValueError):
+    """A run config that upstream would reject (or that would waste a GPU hour)."""
+
+
+class ConfigWarning(UserWarning):
+    """A config that upstream accepts with a warning or adjusts itself (the message says how)."""
+
+
+@dataclass
+class DistSection:
+    """Bridge's ``cfg.dist``."""
+
+    use_megatron_fsdp: bool = True
+    use_torch_fsdp2: bool = False
+    use_tp_pp_dp_mapping: bool = False
+    #: None: the platform's (nccl on GPUs, gloo on CPU ranks); the session's process group must match
+    backend: str | None = None
+
+
+@dataclass
+class DDPSection:
+    """Fields of megatron's ``DistributedDataParallelConfig`` (Bridge's ``cfg.ddp``)."""
+
+    use_megatron_fsdp: bool = True
+    data_parallel_sharding_strategy: str = "optim_grads_params"
+    average_in_collective: bool = False
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    align_param_gather: bool = False
+    grad_reduce_in_fp32: bool = True
+    check_for_nan_in_grad: bool = True
+    check_for_large_grads: bool = False
+    keep_fp8_transpose_cache: bool = False
+    bucket_size: int | None = None
+    num_distributed_optimizer_instances: int = 1
+    suggested_communication_unit_size: int | None = None
+    fsdp_double_buffer: bool = False
+    nccl_ub: bool = False
+    outer_dp_sharding_strategy: str = "no_shard"
+    #: None: megatron's default (True), except on CPU ranks where gloo lacks PREMUL_SUM (False)
+    gradient_reduce_div_fusion: bool | None = None
+    #: any other DistributedDataParallelConfig field (checked against megatron's when the run is built)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimizerSection:
+    optimizer: str = "adam"
+    lr: float | None = None  # None: the preset's
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class CheckpointSection:
+    ckpt_format: str = "fsdp_dtensor"
+    save: str | None = None
+    load: str | None = None
+    async_save: bool = False
+
+
+@dataclass
+class ModelSection:
+    """The preset plus Bridge's ``cfg.model`` (TransformerConfig) fields the harness knows by name."""
+
+    preset: str = "tiny"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    bf16: bool | None = None  # None: the preset's
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    cpu_offloading: bool = False
+    cpu_offloading_num_layers: int = 0
+    init_model_with_meta_device: bool = False
+    #: fields of the preset or of megatron's TransformerConfig (checked when the run is built)
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainSection:
+    train_iters: int = 10
+    micro_batch_size: int | None = None  # None: the preset's
+    #: micro-batches per rank per step (gradient accumulation)
+    num_microbatches: int = 1
+    #: None: micro_batch_size * num_microbatches * data-parallel size; if set, it must equal that
+    global_batch_size: int | None = None
+    seq_length: int | None = None  # None: the preset's
+    seed: int = 1234
+
+
+#: TransformerConfig fields ModelSection carries by name (passed through when the model is built)
+TRANSFORMER_FIELDS = (
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "cpu_offloading",
+    "cpu_offloading_num_layers",
+    "init_model_with_meta_device",
+)
+
+
+def _annotation_types(annotation: str) -> tuple[type, ...]:
+    """Types named by a (string) annotation like ``int | None`` (``from __future__ import annotations``)."""
+    names = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None)}
+    parts = [p.strip() for p in annotation.split("|")]
+    if any(p not in names for p in parts):
+        return ()  # dicts and the like: not settable by value
+    return tuple(names[p] for p in parts)
+
+
+_TRUE = ("true", "yes", "on")
+_FALSE = ("false", "no", "off")
+
+
+def parse_value(text: str, types: tuple[type, ...] = ()) -> Any:
+    """A command-line value as Python: ``true``/``false``, ``none``, numbers, else the string.
+
+    ``types`` (from the field's annotation) narrows it; empty means "guess" (free-form fields).
+    """
+    raw = text.strip()
+    low = raw.lower()
+    guess = not types
+    if low in ("none", "null") and (guess or type(None) in types):
+        return None
+    if bool in types or guess:
+        if low in _TRUE or (bool in types and low == "1"):
+            return True
+        if low in _FALSE or (bool in types and low == "0"):
+            return False
+    for number in (int, float):
+        if number in types or guess:
+            try:
+                return number(raw)
+            except ValueError:
+                pass  # not this kind of number; the next type may fit
+    if str in types or guess:
+        return raw
+    raise ValueError(" or ".join("none" if t is type(None) else t.__name__ for t in types))
+
+
+def _check_type(dotted: str, value: Any, types: tuple[type, ...]) -> Any:
+    if not types:
+        return value
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    elif isinstance(value, int) and not isinstance(value, bool) and float in types and int not in types:
+        return float(value)
+    else:
+        ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise ConfigError(f"{dotted}={value!r} has the wrong type: set it to {expected}")
+    return value
+
+
+@dataclass
+class RunConfig:
+    """Bridge-shaped configuration of one Megatron-FSDP training run."""
+
+    dist: DistSection = field(default_factory=DistSection)
+    ddp: DDPSection = field(default_factory=DDPSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    def copy(self) -> RunConfig:
+        return copy.deepcopy(self)
+
+    def resolved_preset(self) -> ModelPreset:
+        """The model preset with this config's overrides applied."""
+        preset = get_preset(self.model.preset)
+        preset_fields = {f.name for f in dataclasses.fields(ModelPreset)}
+        changes = {k: v for k, v in self.model.overrides.items() if k in preset_fields}
+        extra = {k: v for k, v in self.model.overrides.items() if k not in preset_fields}
+        if self.model.bf16 is not None:
+            changes["bf16"] = self.model.bf16
+        if self.train.seq_length is not None:
+            changes["seq_length"] = self.train.seq_length
+        if self.train.micro_batch_size is not None:
+            changes["micro_batch_size"] = self.train.micro_batch_size
+        if self.optimizer.lr is not None:
+            changes["lr"] = self.optimizer.lr
+        if extra:
+            changes["transformer_overrides"] = {**preset.transformer_overrides, **extra}
+        return preset.with_overrides(**changes)
+
+    @property
+    def model_parallel_size(self) -> int:
+        m = self.model
+        return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+
+    @property
+    def uses_megatron_fsdp(self) -> bool:
+        """Megatron-FSDP is on when either flag says so (Bridge's perf harness sets only ``ddp``'s)."""
+        return self.dist.use_megatron_fsdp or self.ddp.use_megatron_fsdp
+
+    def set(self, dotted: str, value: Any) -> None:
+        """Set ``section.field`` to ``value``, checking the name and the value's type.
+
+        ``ddp.<name>`` of a ``DistributedDataParallelConfig`` field and ``model.<name>`` of a
+        ``TransformerConfig`` field the sections do not spell out go to ``ddp.extra`` and
+        ``model.overrides``; names are checked against the installed megatron-core's dataclasses.
+        """
+        section_name, _, name = dotted.partition(".")
+        section = getattr(self, section_name, None) if section_name in _SECTIONS else None
+        if section is None or not name:
+            raise ConfigError(
+                f"unknown config field {dotted!r}: use <section>.<field> with a section among "
+                f"{', '.join(_SECTIONS)}"
+            )
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if name in fields and name not in ("extra", "overrides"):
+            types = _annotation_types(str(fields[name].type))
+            if isinstance(value, str) and str not in types and types:
+                try:
+                    value = parse_value(value, types)
+                except ValueError as exc:
+                    hint = " (true/false)" if bool in types else ""
+                    raise ConfigError(f"{dotted}={value!r} is not of type {exc}: give {exc}{hint}") from None
+            setattr(section, name, _check_type(dotted, value, types))
+            return
+        free_form = {
+            "ddp": ("extra", "DistributedDataParallelConfig"),
+            "model": ("overrides", "TransformerConfig"),
+        }
+        if section_name in free_form:
+            bucket, megatron_class = free_form[section_name]
+            allowed = set(versions.megatron_config_fields(megatron_class) or ())
+            if section_name == "model":
+                allowed |= {f.name for f in dataclasses.fields(ModelPreset)}
+            if allowed and name not in allowed:
+                raise ConfigError(
+                    f"unknown config field {dotted!r}: not a field of {section_name} nor of megatron-core "
+                    f"{versions.package_version('megatron-core')}'s {megatron_class}; check the spelling"
+                )
+            getattr(section, bucket)[name] = parse_value(value) if isinstance(value, str) else value
+            return
+        raise ConfigError(
+            f"unknown config field {dotted!r}; {section_name} has: "
+            f"{', '.join(sorted(n for n in fields if n not in ('extra', 'overrides')))}"
+        )
+
+    def assign(self, assignment: str) -> None:
+        """Apply one ``section.field=value`` (the ``--mfsdp-set`` syntax)."""
+        dotted, sep, value = assignment.partition("=")
+        if not sep or not dotted.strip():
+            raise ConfigError(f"{assignment!r} is not an assignment: write section.field=value")
+        self.set(dotted.strip(), value.strip())
+
+
+_SECTIONS = ("dist", "ddp", "optimizer", "checkpoint", "model", "train")
+
+
+PURPOSES = ("build", "save", "load")
+
+
+def validate(
+    cfg: RunConfig,
+    world_size: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    purpose: str = "build",
+    platform: str | None = None,
+    backend: str | None = None,
+) -> list[str]:
+    """Every config rule, in one place: upstream's (Bridge ``training/config.py``, Megatron-LM
+    ``arguments.py``, MCore's ``TransformerConfig``) and this harness's; raise :class:`ConfigError`
+    on the first violation.
+
+    ``purpose``: ``build`` (a run is about to be built), ``save`` or ``load`` (a checkpoint is about
+    to be written or read: the checkpoint rules apply whatever ``checkpoint.save/load`` say).
+    ``platform``/``backend``: the session's (``cpu``/``cuda``, ``gloo``/``nccl``), where known.
+    Returns warnings (rules where upstream only warns, or adjusts the config itself). Pure and
+    deterministic: every rank runs it, before any model is built, and reaches the same verdict.
+    ``environ`` defaults to ``os.environ`` (read for ``CUDA_DEVICE_MAX_CONNECTIONS``).
+    """
+    if purpose not in PURPOSES:
+        raise ValueError(f"purpose={purpose!r}: choose one of {', '.join(PURPOSES)}")
+    env = os.environ if environ is None else environ
+    warnings: list[str] = []
+    fsdp = cfg.uses_megatron_fsdp
+    if cfg.dist.use_megatron_fsdp and cfg.dist.use_torch_fsdp2:
+        raise ConfigError(
+            "dist.use_megatron_fsdp=True and dist.use_torch_fsdp2=True are mutually exclusive: "
+            "set one of them to False"
+        )
+    if cfg.ddp.use_megatron_fsdp and cfg.dist.use_torch_fsdp2:
+        raise ConfigError(
+            "ddp.use_megatron_fsdp=True and dist.use_torch_fsdp2=True are mutually exclusive: "
+            "set ddp.use_megatron_fsdp=False for FSDP2, or dist.use_torch_fsdp2=False"
+        )
+    strategy = cfg.ddp.data_parallel_sharding_strategy
+    if strategy not in SHARDING_STRATEGIES:
+        raise ConfigError(
+            f"ddp.data_parallel_sharding_strategy={strategy!r} is not a sharding strategy; "
+            f"choose one of: {', '.join(SHARDING_STRATEGIES)}"
+        )
+    if cfg.checkpoint.ckpt_format not in CKPT_FORMATS:
+        raise ConfigError(
+            f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r} is unknown; "
+            f"choose one of: {', '.join(CKPT_FORMATS)}"
+        )
+    if cfg.dist.backend is not None and cfg.dist.backend not in BACKENDS:
+        raise ConfigError(
+            f"dist.backend={cfg.dist.backend!r} is unknown; choose one of: {', '.join(BACKENDS)} "
+            "(or None: the platform's)"
+        )
+    if fsdp and cfg.dist.use_tp_pp_dp_mapping:
+        raise ConfigError(
+            "dist.use_tp_pp_dp_mapping=True is not supported with Megatron-FSDP: set it to False"
+        )
+    if cfg.dist.use_megatron_fsdp != cfg.ddp.use_megatron_fsdp:
+        warnings.append(
+            f"dist.use_megatron_fsdp={cfg.dist.use_megatron_fsdp} but "
+            f"ddp.use_megatron_fsdp={cfg.ddp.use_megatron_fsdp}: running Megatron-FSDP; set both "
+            "alike (enable_megatron_fsdp(cfg) sets them together)"
+        )
+    saving = purpose != "build" or bool(cfg.checkpoint.save or cfg.checkpoint.load)
+    if fsdp and saving and cfg.checkpoint.ckpt_format != "fsdp_dtensor":
+        raise ConfigError(
+            f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r} with checkpoint.save/load set: "
+            "Megatron FSDP only supports fsdp_dtensor checkpoint format; "
+            "set checkpoint.ckpt_format='fsdp_dtensor' (fix_checkpoint_format(cfg) does it for torch_dist)"
+        )
+    if saving and cfg.checkpoint.ckpt_format == "fsdp_dtensor" and (not fsdp or cfg.dist.use_torch_fsdp2):
+        which = "dist.use_torch_fsdp2=True" if cfg.dist.use_torch_fsdp2 else "dist.use_megatron_fsdp=False"
+        raise ConfigError(
+            f"checkpoint.ckpt_format='fsdp_dtensor' with checkpoint.save/load set and {which}: "
+            "fsdp_dtensor checkpoints need Megatron-FSDP (not FSDP2); set dist.use_megatron_fsdp=True "
+            "and ddp.use_megatron_fsdp=True, or choose checkpoint.ckpt_format='torch_dist'"
+        )
+    if cfg.checkpoint.async_save and cfg.checkpoint.ckpt_format not in ASYNC_CKPT_FORMATS:
+        raise ConfigError(
+            f"checkpoint.async_save=True with checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r}: "
+            f"async save supports only {', '.join(ASYNC_CKPT_FORMATS)}; change the format or set "
+            "checkpoint.async_save=False"
+        )
+    connections = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if fsdp and connections == "1":
+        raise ConfigError(
+            "CUDA_DEVICE_MAX_CONNECTIONS='1' (environment) with Megatron-FSDP: FSDP needs several "
+            "CUDA connections to overlap communication; unset it or set it above 1 "
+            "(before CUDA is initialised: later changes have no effect)"
+        )
+    model = cfg.model
+    try:
+        get_preset(model.preset)
+    except ValueError as exc:
+        raise ConfigError(f"model.preset={model.preset!r}: {exc}") from None
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        size = getattr(model, name)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"model.{name}={size!r} must be a positive integer")
+    if fsdp and (model.tensor_model_parallel_size > 1 or model.context_parallel_size > 1):
+        warnings.append(
+            f"Megatron-FSDP with model.tensor_model_parallel_size={model.tensor_model_parallel_size}, "
+            f"model.context_parallel_size={model.context_parallel_size}: before Blackwell, FSDP "
+            "wants CUDA_DEVICE_MAX_CONNECTIONS > 1 while TP/CP overlap wants 1 (environment: "
+            f"{connections!r}); measure both settings"
+        )
+    if model.recompute_granularity is not None and model.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ConfigError(
+            f"model.recompute_granularity={model.recompute_granularity!r} is unknown; choose one of: "
+            f"{', '.join(RECOMPUTE_GRANULARITIES)} (or None)"
+        )
+    if model.cpu_offloading and model.pipeline_model_parallel_size > 1:
+        raise ConfigError(
+            f"model.cpu_offloading=True with model.pipeline_model_parallel_size="
+            f"{model.pipeline_model_parallel_size}: CPU offloading needs pipeline parallel size 1; "
+            "set model.pipeline_model_parallel_size=1 or model.cpu_offloading=False"
+        )
+    if model.cpu_offloading and model.recompute_granularity is not None:
+        raise ConfigError(
+            f"model.cpu_offloading=True with model.recompute_granularity={model.recompute_granularity!r}: "
+            "CPU offloading does not work with activation recomputation; set "
+            "model.recompute_granularity=None or model.cpu_offloading=False"
+        )
+    if world_size is not None and world_size % cfg.model_parallel_size:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tp*pp*cp={cfg.model_parallel_size} "
+            f"(model.tensor_model_parallel_size={model.tensor_model_parallel_size}, "
+            f"pipeline={model.pipeline_model_parallel_size}, context={model.context_parallel_size}): "
+            "choose sizes whose product divides the world size"
+        )
+    if cfg.train.train_iters < 1:
+        raise ConfigError(f"train.train_iters={cfg.train.train_iters} must be at least 1")
+    if cfg.train.num_microbatches < 1:
+        raise ConfigError(f"train.num_microbatches={cfg.train.num_microbatches} must be at least 1")
+    if world_size is not None and cfg.train.global_batch_size is not None:
+        micro = cfg.train.micro_batch_size or get_preset(model.preset).micro_batch_size
+        dp = world_size // cfg.model_parallel_size
+        expected = micro * cfg.train.num_microbatches * dp
+        if cfg.train.global_batch_size != expected:
+            raise ConfigError(
+                f"train.global_batch_size={cfg.train.global_batch_size} != micro_batch_size {micro} * "
+                f"num_microbatches {cfg.train.num_microbatches} * data-parallel size {dp} = {expected}: "
+                "set train.global_batch_size=None or adjust train.num_microbatches"
+            )
+    if fsdp and cfg.ddp.average_in_collective:
+        warnings.append(
+            "ddp.average_in_collective=True is not supported with Megatron-FSDP; "
+            "switching it to False (as Megatron does)"
+        )
+    if fsdp and not cfg.ddp.use_distributed_optimizer:
+        warnings.append(
+            "ddp.use_distributed_optimizer=False: Megatron-FSDP requires the distributed optimizer; "
+            "switching it on (as Megatron does)"
+        )
+    _check_megatron_field_names(cfg)
+    if purpose != "build" and not fsdp:
+        raise ConfigError(
+            f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r} save/load here needs Megatron-FSDP "
+            "(dist.use_megatron_fsdp=True): fsdp_dtensor checkpoints hold Megatron-FSDP's DTensors"
+        )
+    if purpose != "build" and cfg.checkpoint.ckpt_format != "fsdp_dtensor":
+        raise ConfigError(
+            f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r}: only 'fsdp_dtensor' is implemented "
+            "by this harness; set checkpoint.ckpt_format='fsdp_dtensor'"
+        )
+    if backend is not None and cfg.dist.backend is not None and cfg.dist.backend != backend:
+        raise ConfigError(
+            f"dist.backend={cfg.dist.backend!r} but this session's process group uses {backend!r} "
+            f"(platform {platform}): set dist.backend=None or switch platform"
+        )
+    plain_ddp = not fsdp and not cfg.dist.use_torch_fsdp2
+    if platform == "cpu" and plain_ddp and cfg.ddp.use_distributed_optimizer:
+        raise ConfigError(
+            "ddp.use_distributed_optimizer=True with Megatron DDP on CPU ranks: megatron-core's "
+            "DDP + DistributedOptimizer path fails a torch.cuda type check on CPU; set "
+            "ddp.use_distributed_optimizer=False"
+        )
+    return warnings
+
+
+def _check_megatron_field_names(cfg: RunConfig) -> None:
+    """Free-form fields (``ddp.extra``, ``model.overrides``, the preset's transformer overrides)
+    must exist on the installed megatron-core's dataclasses: a typo must not pass silently."""
+    ddp_class = (
+        "TorchFullyShardedDataParallelConfig" if cfg.dist.use_torch_fsdp2 else "DistributedDataParallelConfig"
+    )
+    preset_fields = {f.name for f in dataclasses.fields(ModelPreset)}
+    transformer = {k for k in cfg.model.overrides if k not in preset_fields}
+    transformer |= set(get_preset(cfg.model.preset).transformer_overrides)
+    for section, given, class_name in (
+        ("ddp", set(cfg.ddp.extra), ddp_class),
+        ("model", transformer, "TransformerConfig"),
+    ):
+        known = versions.megatron_config_fields(class_name)
+        unknown = sorted(given - known) if known else []
+        if unknown:
+            raise ConfigError(
+                f"unknown config field {section}.{unknown[0]}: megatron-core "
+                f"{versions.package_version('megatron-core')}'s {class_name} has no such field; "
+                "check the spelling"
+            )
+
+
+def enable_megatron_fsdp(cfg: RunConfig) -> RunConfig:
+    """The seed's minimal override: what Bridge users set to turn Megatron-FSDP on."""
+    cfg.dist.use_megatron_fsdp = True
+    cfg.ddp.use_megatron_fsdp = True
+    cfg.ddp.data_parallel_sharding_strategy = "optim_grads_params"
+    cfg.ddp.average_in_collective = False
+    cfg.checkpoint.ckpt_format = "fsdp_dtensor"
+    return cfg
+
+
+def disable_megatron_fsdp(cfg: RunConfig) -> RunConfig:
+    """``--mfsdp-use-megatron-fsdp=false``: both flags off (Megatron's DDP wrapper is used)."""
+    cfg.dist.use_megatron_fsdp = False
+    cfg.ddp.use_megatron_fsdp = False
+    return cfg
+
+
+def fix_checkpoint_format(cfg: RunConfig) -> str | None:
+    """The seed's recipe pitfall: with Megatron-FSDP and save/load on, a recipe that still says
+    ``torch_dist`` is switched to ``fsdp_dtensor``. Returns the message (None: nothing changed)."""
+    if cfg.uses_megatron_fsdp and (cfg.checkpoint.save or cfg.checkpoint.load):
+        if cfg.checkpoint.ckpt_format == "torch_dist":
+            cfg.checkpoint.ckpt_format = "fsdp_dtensor"
+            return (
+                "checkpoint.ckpt_format='torch_dist' -> 'fsdp_dtensor': Megatron FSDP only supports "
+                "fsdp_dtensor checkpoints and checkpoint.save/load is set (recipes default to torch_dist)"
+            )
+    return None
+
+
+def recipe_fixup(cfg: RunConfig, save: str | None) -> RunConfig:
+    """The seed's example recipe fixup: Megatron-FSDP on, fsdp_dtensor, save to ``save``, no load."""
+    enable_megatron_fsdp(cfg)
+    cfg.checkpoint.save = save
+    cfg.checkpoint.load = None
+    return cfg
+
+
+def apply_perf_harness_overrides(cfg: RunConfig) -> RunConfig:
+    """Bridge's performance harness (``launch.py --use_megatron_fsdp true``): its Megatron-FSDP
+    overrides, as the seed lists them (``keep_fp8_transpose_cache=False``,
+    ``init_model_with_meta_device=True``, ``checkpoint.load=None``)."""
+    cfg.ddp.use_megatron_fsdp = True
+    cfg.ddp.data_parallel_sharding_strategy = "optim_grads_params"
+    cfg.ddp.keep_fp8_transpose_cache = False
+    cfg.ddp.average_in_collective = False
+    cfg.model.init_model_with_meta_device = True
+    cfg.checkpoint.load = None
+    return cfg

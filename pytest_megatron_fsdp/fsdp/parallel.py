@@ -1,0 +1,76 @@
+"""Megatron's model-parallel state and seeding, as every Megatron test sets them up.
+
+Imports torch and megatron at module level: loaded only inside a rank that runs a distributed test
+(after the CPU emulation, when there is one, is in place).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from . import versions
+
+#: the process groups the last initialize_model_parallel created (torch keeps them until destroyed)
+_MODEL_PARALLEL_GROUPS: list[Any] = []
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+    """Megatron's model-parallel state and seeded RNGs, as every Megatron test sets them up.
+
+    State already up with the same sizes (an earlier test or run made it) is kept, only reseeded:
+    building it again costs a store rendezvous per group, and each gloo group holds sockets and
+    threads (17 groups, ~70 fds and ~50 threads per rank on 2 CPU ranks) that the models Megatron
+    builds on them keep alive after their test. Other sizes replace it; the old groups are destroyed.
+    """
+    if parallel_state.model_parallel_is_initialized() and _model_parallel_sizes() == (tp, pp, cp):
+        seed_everything(seed)
+        return
+    destroy_model_parallel()
+    before = set(versions.live_process_groups())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
+    _MODEL_PARALLEL_GROUPS[:] = [g for g in versions.live_process_groups() if g not in before]
+    seed_everything(seed)
+
+
+def destroy_model_parallel() -> None:
+    """Megatron forgets its model-parallel state; torch destroys the groups made for it.
+
+    Newest first, as torch itself shuts groups down; every rank calls this at the same point, so
+    all destroy the same groups in the same order. Groups already gone with the default one
+    (a renewed process group) are skipped.
+    """
+    parallel_state.destroy_model_parallel()
+    groups, _MODEL_PARALLEL_GROUPS[:] = list(_MODEL_PARALLEL_GROUPS), []
+    if not dist.is_initialized():
+        return
+    live = set(versions.live_process_groups())
+    for group in reversed(groups):
+        if group in live:
+            dist.destroy_process_group(group)
+
+
+def _model_parallel_sizes() -> tuple[int, int, int]:
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's, torch's and Megatron's RNG tracker, identically on every rank."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # Megatron's tracker: distinct tensor-parallel streams, identical data-parallel ones.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,195 @@
+"""A training run: a wrapped GPT, its optimizer and a data stream, trained the way Megatron trains.
+
+Imports torch and megatron at module level: loaded only inside a rank that runs a distributed
+test (after the CPU emulation, when there is one, is in place). What a run measures goes to the
+observer its owner installs (the ``megatron_fsdp_run`` fixture records it); the domain itself
+knows nothing of tests or reports.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from ..environment import DistEnv
+from . import model as model_builder
+from .config import ConfigWarning, RunConfig, validate
+from .parallel import initialize_model_parallel
+from .presets import ModelPreset
+from .results import TrainResult
+
+
+class RunObserver(Protocol):
+    """Told what a run measured (every rank calls both, at the same points)."""
+
+    def on_result(self, run: TrainingRun, result: TrainResult) -> None:
+        """After every ``train()``: may run collectives (every rank reaches it)."""
+
+    def on_checkpoint(self, run: TrainingRun, figures: dict[str, float]) -> None:
+        """After a save (``bytes``, ``save_s``) or a load (``load_s``); no collectives."""
+
+
+def learnable_batch(
+    preset: ModelPreset, micro_batch_size: int, generator: torch.Generator, device: str
+) -> dict[str, torch.Tensor]:
+    """Counting sequences from random offsets: next-token prediction a small GPT learns in steps."""
+    seq = preset.seq_length
+    offsets = torch.randint(0, preset.vocab_size, (micro_batch_size, 1), generator=generator)
+    tokens = (offsets + torch.arange(seq + 1)) % preset.vocab_size
+    return {
+        "tokens": tokens[:, :-1].contiguous().to(device),
+        "labels": tokens[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(micro_batch_size, seq, device=device),
+        "position_ids": torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, -1),
+    }
+
+
+class TrainingRun:
+    """A Megatron-FSDP model, its DistributedOptimizer and a data stream, ready to train."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, observer: RunObserver | None = None) -> None:
+        self.warnings = validate(cfg, env.world_size, platform=env.platform, backend=env.backend)
+        for message in self.warnings:
+            warnings.warn(message, ConfigWarning, stacklevel=2)
+        self.cfg = cfg
+        self.env = env
+        #: told of every result and checkpoint (the megatron_fsdp_run fixture's records them)
+        self.observer = observer
+        self.preset: ModelPreset = cfg.resolved_preset()
+        m = cfg.model
+        initialize_model_parallel(
+            m.tensor_model_parallel_size,
+            m.pipeline_model_parallel_size,
+            m.context_parallel_size,
+            cfg.train.seed,
+        )
+        gpt = model_builder.build_gpt(cfg, self.preset, env)
+        self.model = model_builder.wrap_data_parallel(cfg, gpt, env)
+        self.optimizer = get_megatron_optimizer(
+            model_builder.optimizer_config(cfg, self.preset, env), [self.model]
+        )
+        config = self.model.config
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.iteration = 0
+        # Each data-parallel rank draws its own samples, reproducibly.
+        self._generator = torch.Generator().manual_seed(
+            cfg.train.seed * 1000 + parallel_state.get_data_parallel_rank()
+        )
+
+    def _data(self, count: int) -> Iterator[dict[str, torch.Tensor]]:
+        for _ in range(count):
+            yield learnable_batch(self.preset, self.preset.micro_batch_size, self._generator, self.env.device)
+
+    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss_mask = batch["loss_mask"]
+
+        def loss_func(output_tensor: torch.Tensor):
+            loss = (output_tensor.float().view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
+            # clone: Megatron's schedule divides the returned loss by num_microbatches in place,
+            # which would shrink a detached view of it too (the logged loss would read 1/n).
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    def _forward_backward(self, forward_only: bool) -> float:
+        n = self.cfg.train.num_microbatches
+        outputs = get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=self._data(n),
+            model=[self.model],
+            num_microbatches=n,
+            seq_length=self.preset.seq_length,
+            micro_batch_size=self.preset.micro_batch_size,
+            forward_only=forward_only,
+        )
+        return sum(float(o["lm loss"]) for o in outputs) / n
+
+    def _optimizer_step(self) -> float:
+        if self.env.platform == "cuda":
+            _, grad_norm, _ = self.optimizer.step()
+            return float("nan") if grad_norm is None else float(grad_norm)
+        # CPU ranks run without clipping (see optimizer_config); step() then reports no norm, so
+        # run its phases here and measure the norm in between, as step() does before clipping.
+        with torch.no_grad():
+            if self.optimizer.prepare_grads():  # found inf/nan: step skipped, as step() does
+                return float("nan")
+            grad_norm = self.optimizer.get_grad_norm()
+            self.optimizer.step_with_ready_grads()
+        return float(grad_norm)
+
+    def _data_parallel_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.env.device)
+        group = parallel_state.get_data_parallel_group()
+        dist.all_reduce(t, group=group)
+        return float(t.item()) / dist.get_world_size(group)
+
+    def train(self, iterations: int | None = None) -> TrainResult:
+        """Train ``iterations`` steps (default: ``train.train_iters``); returns per-step figures."""
+        result = TrainResult()
+        for _ in range(iterations or self.cfg.train.train_iters):
+            start = time.perf_counter()
+            self.model.train()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            local = self._forward_backward(forward_only=False)
+            grad_norm = self._optimizer_step()
+            if self.env.platform == "cuda":
+                torch.cuda.synchronize()
+            result.step_times_s.append(time.perf_counter() - start)
+            result.local_losses.append(local)
+            result.losses.append(self._data_parallel_mean(local))
+            result.grad_norms.append(grad_norm)
+            self.iteration += 1
+            if self.env.rank == 0:
+                # Megatron's log line; shown with -s, kept in the captured output otherwise.
+                print(
+                    f" iteration {self.iteration:>4} | lm loss {result.losses[-1]:.6E} | "
+                    f"grad norm {grad_norm:.3f} | {1000 * result.step_times_s[-1]:.1f} ms/step",
+                    flush=True,
+                )
+        if self.observer is not None:
+            self.observer.on_result(self, result)
+        return result
+
+    def forward_loss(self) -> float:
+        """Forward-only loss on the next batch, data-parallel mean."""
+        self.model.eval()
+        with torch.no_grad():
+            local = self._forward_backward(forward_only=True)
+        return self._data_parallel_mean(local)
+
+    def close(self) -> None:
+        """Drop this run's model and optimizer.
+
+        Megatron's model-parallel state stays up for the next run or test with the same sizes;
+        the rank session tears it down with the process group.
+        """
+        self.model = None
+        self.optimizer = None
+
+    # Checkpointing (pytest_megatron_fsdp.checkpoint): the data stream's position is part of the
+    # saved train state, so a resumed run draws the batches the uninterrupted one would have.
+    def data_stream_state(self) -> torch.Tensor:
+        """The data generator's state (a uint8 tensor): where this rank's data stream stands."""
+        return self._generator.get_state()
+
+    def load_data_stream_state(self, state: torch.Tensor) -> None:
+        self._generator.set_state(state)
+
+    def notify_checkpoint(self, **figures: float) -> None:
+        """Checkpoint figures (``bytes``, ``save_s``, ``load_s``) for the observer."""
+        if self.observer is not None:
+            self.observer.on_checkpoint(self, figures)

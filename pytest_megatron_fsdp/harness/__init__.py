@@ -1,0 +1,1 @@
+"""The harness: launching and watching ranks. Imports nothing from ``fsdp`` or ``reporting``."""

@@ -1,0 +1,113 @@
+"""One outcome for a test from every rank's reports: pure, so every rank computes the same one.
+
+A phase fails when it failed on any rank (its tracebacks, captured output and log paths go into the
+report); a skip on some ranks and no failure is a skip everywhere; otherwise it passed. Per-test data
+that rides on the local report (pytest-style extra attributes, e.g. training-run records) is kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
+
+
+def summarise(report: pytest.TestReport) -> dict[str, Any]:
+    data: dict[str, Any] = {"outcome": report.outcome, "duration": report.duration}
+    if report.failed:
+        data["text"] = report.longreprtext
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        data["text"] = report.longrepr[2]
+    data["sections"] = [list(s) for s in report.sections]
+    return data
+
+
+def merge_reports(
+    item: pytest.Item,
+    local: list[pytest.TestReport],
+    per_rank: dict[int, dict[str, Any]],
+    my_rank: int,
+    log_dir: Path,
+) -> list[pytest.TestReport]:
+    """One consistent set of reports from every rank's phases: failed > skipped > passed.
+
+    A phase fails when it failed on any rank; the failing ranks' tracebacks, captured output and
+    log paths go into the report. A skip on some ranks (and no failure) is a skip everywhere.
+    """
+    local_by_phase = {r.when: r for r in local}
+    merged: list[pytest.TestReport] = []
+    for when in ("setup", "call", "teardown"):
+        phase = {rank: phases[when] for rank, phases in per_rank.items() if when in phases}
+        if not phase:
+            continue
+        if when == "call" and merged and merged[0].outcome != "passed":
+            continue  # setup did not pass everywhere: no call phase, as in pytest
+        worst = max(phase.values(), key=lambda p: _OUTCOME_RANK[p["outcome"]])["outcome"]
+        if when == "setup" and worst == "skipped":
+            # Some rank skipped but another went on and failed its call: that failure must not vanish.
+            failed_calls = {
+                r: p["call"] for r, p in per_rank.items() if p.get("call", {}).get("outcome") == "failed"
+            }
+            if failed_calls:
+                phase = {**phase, **failed_calls}
+                worst = "failed"
+        base = local_by_phase.get(when)
+        report = pytest.TestReport(
+            nodeid=item.nodeid,
+            location=item.location,
+            keywords={k: 1 for k in item.keywords},
+            outcome=worst,
+            longrepr=None,
+            when=when,
+            sections=list(base.sections) if base is not None else [],
+            duration=max(p["duration"] for p in phase.values()),
+            user_properties=list(item.user_properties),
+        )
+        if base is not None:
+            # extra attributes (as pytest's report serialisation carries them): kept as they are
+            for name, value in vars(base).items():
+                if name != "wasxfail":  # an xfail is decided below, from every rank's outcome
+                    report.__dict__.setdefault(name, value)
+        for rank, p in sorted(phase.items()):
+            if rank != my_rank:
+                report.sections.extend((f"{title} (rank {rank})", text) for title, text in p["sections"])
+        if worst == "failed":
+            failing = sorted(r for r, p in phase.items() if p["outcome"] == "failed")
+            passing = sorted(r for r, p in phase.items() if p["outcome"] != "failed")
+            parts = [
+                f"failed on rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))}"
+                + (f" (passed on {', '.join(map(str, passing))})" if passing else "")
+            ]
+            for rank in failing:
+                parts.append(f"---------- rank {rank} (log: {log_dir / f'rank{rank}.log'}) ----------")
+                parts.append(phase[rank].get("text", ""))
+            report.longrepr = "\n".join(parts)
+        elif worst == "skipped" and base is not None and hasattr(base, "wasxfail"):
+            # an expected failure (xfail) is reported as pytest reports it: the reason in
+            # `wasxfail`, the failure's own traceback as longrepr
+            report.wasxfail = base.wasxfail
+            report.longrepr = base.longrepr
+        elif worst == "skipped":
+            skipping = sorted(r for r, p in phase.items() if p["outcome"] == "skipped")
+            reason = phase[skipping[0]].get("text", "skipped")
+            if len(skipping) < len(phase):
+                others = sorted(set(phase) - set(skipping))
+                reason += (
+                    f" (skipped on rank {', '.join(map(str, skipping))} only; "
+                    f"rank {', '.join(map(str, others))} did not skip)"
+                )
+            path, lineno, _ = item.location
+            if (
+                base is not None
+                and base.skipped
+                and isinstance(base.longrepr, tuple)
+                and len(skipping) == len(phase)
+            ):
+                report.longrepr = base.longrepr
+            else:
+                report.longrepr = (str(item.path), (lineno or 0) + 1, reason)
+        merged.append(report)
+    return merged

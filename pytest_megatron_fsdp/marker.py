@@ -1,0 +1,60 @@
+"""``@pytest.mark.distributed(world_size=2, tp=1, pp=1, cp=1, timeout=None)``, parsed once.
+
+At collection every marked test gets a :class:`DistributedSpec` in its stash (``protocol.SPEC``),
+with the timeout already resolved by the options' precedence; everything else reads that spec.
+A bad marker is a usage error naming the test, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import options
+from .environment import DEFAULT_WORLD_SIZE, DistributedSpec
+from .harness.protocol import MARKER, SPEC
+
+MARKER_HELP = (
+    f"{MARKER}(world_size={DEFAULT_WORLD_SIZE}, tp=1, pp=1, cp=1, timeout=None): run the test on "
+    "world_size ranks (torchrun); tp/pp/cp are Megatron's model-parallel sizes for the test; "
+    "timeout in seconds"
+)
+
+
+def _spec(
+    config: pytest.Config,
+    world_size: int = DEFAULT_WORLD_SIZE,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    timeout: float | None = None,
+) -> DistributedSpec:
+    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"distributed marker: {name}={value!r} must be a positive integer")
+    timeout_s = float(options.resolve(config, "timeout", timeout))
+    return DistributedSpec(world_size, tp, pp, cp, timeout_s)
+
+
+def parse(item: pytest.Item) -> DistributedSpec | None:
+    """The test's marker as data (None when unmarked); a bad marker is a usage error."""
+    marker = item.get_closest_marker(MARKER)
+    if marker is None:
+        return None
+    try:
+        return _spec(item.config, *marker.args, **marker.kwargs)
+    except TypeError as exc:
+        raise pytest.UsageError(
+            f"{item.nodeid}: bad @pytest.mark.{MARKER} arguments ({exc}); "
+            f"use {MARKER}(world_size=2, tp=1, pp=1, cp=1, timeout=None)"
+        ) from None
+    except (ValueError, options.OptionError) as exc:
+        raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
+
+
+def stash_specs(items: list[pytest.Item]) -> None:
+    """Parse every collected test's marker once, into its stash."""
+    for item in items:
+        spec = parse(item)
+        if spec is not None:
+            item.stash[SPEC] = spec

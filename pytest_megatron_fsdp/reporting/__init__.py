@@ -1,0 +1,1 @@
+"""Reporting: run records, in-rank measuring, the summary table, JSON, JUnit properties, plot."""

@@ -1,0 +1,160 @@
+"""The package's architecture, held by its imports.
+
+Three concerns, arrows only pointing down: ``harness/`` (launching and watching ranks) imports
+nothing from ``fsdp/`` (the Megatron-FSDP domain) or ``reporting/``; the domain imports no pytest;
+the entry module loads no torch; and no module imports one that imports it back. Every import
+counts: module-level, lazy (inside a function) and ``TYPE_CHECKING``-only ones.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "pytest_megatron_fsdp"
+HEAVY = ("torch", "megatron", "numpy")
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    return {_module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+
+
+def imports(root: Path, module_level_only: bool = False) -> dict[str, set[str]]:
+    """module -> every module name it imports (absolute; package-internal ones resolved)."""
+    modules = _modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        nodes = tree.body if module_level_only else list(ast.walk(tree))
+        found: set[str] = set()
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:  # `from . import options` imports a module
+                    candidate = f"{target}.{alias.name}"
+                    found.add(candidate if candidate in modules else target)
+        graph[name] = found
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles among the graph's own modules (each found once, from its first module)."""
+    internal = {m: sorted(t for t in targets if t in graph and t != m) for m, targets in graph.items()}
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in internal[module]:
+            if state.get(target) == 1:
+                found.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(internal):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        for target in graph.get(module, ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def layering_problems(root: Path) -> list[str]:
+    graph = imports(root)
+    name = root.name
+    problems = [" -> ".join(c) for c in cycles(graph)]
+    for module, targets in sorted(graph.items()):
+        if module.startswith(f"{name}.fsdp"):
+            problems += [
+                f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] in ("pytest", "_pytest")
+            ]
+        if module.startswith(f"{name}.harness"):
+            problems += [
+                f"{module} imports {t}"
+                for t in sorted(targets)
+                if t.startswith((f"{name}.fsdp", f"{name}.reporting"))
+            ]
+    loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
+    problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
+    return problems
+
+
+def test_the_package_is_layered_and_acyclic():
+    assert set(_modules(PACKAGE)) >= {
+        "pytest_megatron_fsdp.plugin",
+        "pytest_megatron_fsdp.harness.rank",
+        "pytest_megatron_fsdp.fsdp.training",
+        "pytest_megatron_fsdp.reporting.report",
+    }
+    assert layering_problems(PACKAGE) == []
+
+
+def test_no_package_file_cites_a_document_outside_the_repository():
+    cited = [p.name for p in PACKAGE.rglob("*.py") if "FINDINGS" in p.read_text()]
+    assert cited == []
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    root = tmp_path / "pkg"
+    for relative, text in {"__init__.py": "", "plugin.py": "", **files}.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        # a circle through a lazy import and a TYPE_CHECKING one
+        (
+            {
+                "fsdp/__init__.py": "",
+                "fsdp/a.py": "def f():\n    from . import b\n",
+                "fsdp/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import f\n",
+            },
+            "pkg.fsdp.a -> pkg.fsdp.b -> pkg.fsdp.a",
+        ),
+        ({"fsdp/__init__.py": "", "fsdp/c.py": "import pytest\n"}, "pkg.fsdp.c imports pytest"),
+        (
+            {
+                "harness/__init__.py": "",
+                "fsdp/__init__.py": "",
+                "fsdp/d.py": "",
+                "harness/e.py": "from ..fsdp import d\n",
+            },
+            "pkg.harness.e imports pkg.fsdp.d",
+        ),
+        ({"plugin.py": "from . import heavy\n", "heavy.py": "import torch\n"}, "pkg.plugin loads torch"),
+    ],
+)
+def test_the_check_fails_on_each_kind_of_violation(tmp_path, files, expected):
+    assert expected in layering_problems(_package(tmp_path, files))
