@@ -127,6 +127,7 @@ class Controller:
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         reports = self._collect_reports(item, rank_set)
+        reports += self._teardown_local_state(item, nextitem)
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
@@ -136,6 +137,20 @@ class Controller:
             if not remaining:
                 self._finish_batch(world_size)
         return True
+
+    def _teardown_local_state(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> list[pytest.TestReport]:
+        """Tear down what earlier local tests set up here (module or class fixtures) and the next
+        test does not need, as pytest's runner does in every test's teardown: a distributed test's
+        own teardown ran in its ranks, but this process's setup state must still move on, or the
+        next local test in another module finds the previous one 'not torn down properly'."""
+        call = pytest.CallInfo.from_call(
+            lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown"
+        )
+        if call.excinfo is None:
+            return []
+        return [item.ihook.pytest_runtest_makereport(item=item, call=call)]
 
     def _finish_batch(self, world_size: int) -> None:
         rank_set = self.active[world_size]

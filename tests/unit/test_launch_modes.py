@@ -208,3 +208,28 @@ def test_never_reached(dist_env, i):
     assert procs == []  # the rank set that was still running the batch is gone
     # only the rank logs stay (kept on purpose: failure reports point at them; no cache dir here)
     assert [p.name for p in tmp.iterdir()] == ["mfsdp-logs"]
+
+
+def test_a_local_test_after_a_distributed_one_in_another_module_runs(pytester):
+    """The parent's setup state moves on past a distributed test (whose teardown ran in its ranks):
+    the module fixture of the local test before it is torn down, and the next module's test runs."""
+    pytester.makepyfile(
+        test_a="""
+import pytest
+@pytest.fixture(scope="module")
+def mod():
+    yield 1
+    print("TORN DOWN mod")
+def test_local(mod):
+    assert mod == 1
+@pytest.mark.distributed(world_size=2)
+def test_dist(dist_env):
+    assert dist_env.world_size == 2
+""",
+        test_b="def test_after():\n    pass\n",
+    )
+    result = pytester.runpytest_subprocess(
+        "-s", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*TORN DOWN mod*"])
