@@ -75,8 +75,8 @@ def ddp_config(cfg: RunConfig, env: DistEnv) -> DistributedDataParallelConfig:
         use_distributed_optimizer=_uses_distributed_optimizer(cfg, env),
     )
     if d.gradient_reduce_div_fusion is None:
-        # gloo has no ReduceOp.PREMUL_SUM, which the fused divide uses.
-        fields["gradient_reduce_div_fusion"] = env.platform != "cpu"
+        # megatron's default (the fused PREMUL_SUM divide; CPU ranks emulate it over gloo)
+        del fields["gradient_reduce_div_fusion"]
     fields.update(d.extra)  # names checked by validate()
     config_class: type = DistributedDataParallelConfig
     if cfg.dist.use_torch_fsdp2:

@@ -10,7 +10,12 @@ device arguments were all it took). This module gives them those meanings and no
   CPU kernels really draw from (dropout stays reproducible and rank-consistent);
 * ``DeviceMesh`` requests for ``cuda`` become ``cpu`` meshes;
 * a torch function mode rewrites ``device="cuda"`` / ``device=<int>`` arguments of tensor
-  factories and ``Tensor.to``/``Tensor.cuda`` to the CPU.
+  factories and ``Tensor.to``/``Tensor.cuda`` to the CPU;
+* NCCL's pre-multiplied sum (``torch.distributed._make_nccl_premul_sum(f)``, which Megatron-FSDP
+  uses to fuse the gradient average into the reduction; gloo has no ``ReduceOp.PREMUL_SUM``) becomes
+  a marker that ``reduce_scatter_tensor`` and ``all_reduce`` honour by scaling their input by ``f``
+  (in place, as Megatron-FSDP's unfused path does) and summing, so Megatron's default
+  ``gradient_reduce_div_fusion=True`` path runs on CPU ranks too.
 
 It is applied only in CPU ranks (the plugin calls :func:`enable` when the platform is ``cpu``),
 must be applied before ``megatron`` is imported (megatron binds ``torch.cuda._lazy_call`` by name at
@@ -21,11 +26,13 @@ answering ``False``: code that asks honestly still learns there is no GPU.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as _dist
 import torch.distributed.device_mesh as _device_mesh
 from torch.overrides import TorchFunctionMode
 
@@ -209,6 +216,44 @@ def _init_device_mesh_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]
     return init_device_mesh
 
 
+class PremulSum:
+    """What ``torch.distributed._make_nccl_premul_sum(factor)`` returns under the emulation."""
+
+    def __init__(self, factor: Any) -> None:
+        self.factor = factor
+
+    def __repr__(self) -> str:
+        return f"PremulSum({self.factor!r})"
+
+
+def _make_premul_sum(factor: Any) -> PremulSum:
+    return PremulSum(factor)
+
+
+def _premul_aware(original: Callable[..., Any], tensor_arg: str) -> Callable[..., Any]:
+    """``original`` (a collective taking ``op=``), with a :class:`PremulSum` op done as scale + SUM.
+
+    NCCL's PREMUL_SUM is ``sum_r(factor * x_r)``: scaling each rank's input before a SUM is the
+    same sum. The input is scaled in place, as Megatron-FSDP's own unfused path does
+    (``grad_data.mul_(scaling_factor)``, then SUM): a scaled copy would be freed while an
+    asynchronous or coalesced collective still reads it (measured: a segfault in gloo's coalesced
+    reduce-scatter on torch 2.14).
+    """
+    signature = inspect.signature(original)
+
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        op = bound.arguments.get("op")
+        if isinstance(op, PremulSum):
+            bound.arguments[tensor_arg].mul_(op.factor)
+            bound.arguments["op"] = _dist.ReduceOp.SUM
+        return original(*bound.args, **bound.kwargs)
+
+    collective.__name__ = collective.__qualname__ = original.__name__
+    collective.__doc__ = original.__doc__
+    return collective
+
+
 class _Emulation:
     """The applied patch set: remembers every original so :meth:`restore` undoes it exactly."""
 
@@ -236,6 +281,9 @@ class _Emulation:
             "init_device_mesh",
             _init_device_mesh_on_cpu(_device_mesh.init_device_mesh),
         )
+        self._patch(_dist, "_make_nccl_premul_sum", _make_premul_sum)
+        self._patch(_dist, "reduce_scatter_tensor", _premul_aware(_dist.reduce_scatter_tensor, "input"))
+        self._patch(_dist, "all_reduce", _premul_aware(_dist.all_reduce, "tensor"))
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
 

@@ -31,7 +31,11 @@ def _snapshot():
         },
         "from_group": dm.DeviceMesh.__dict__["from_group"],
         "init_device_mesh": dm.init_device_mesh,
+        **{f"dist.{n}": getattr(torch.distributed, n) for n in PREMUL_SUM_ENTRY_POINTS},
     }
+
+
+PREMUL_SUM_ENTRY_POINTS = ("_make_nccl_premul_sum", "reduce_scatter_tensor", "all_reduce")
 
 
 def test_disable_restores_every_original_object():
@@ -184,3 +188,40 @@ def test_nothing_is_patched_in_a_process_that_did_not_ask(tmp_path):
         timeout=120,  # inherits a plain environment (tests/unit/conftest.py)
     )
     assert "UNPATCHED 0" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.distributed(world_size=2)
+def test_premul_sum_is_the_pre_multiplied_sum_over_gloo(dist_env):
+    """In a CPU rank (emulation on): NCCL's PREMUL_SUM, as Megatron-FSDP builds it, over gloo."""
+    import torch.distributed as dist
+
+    assert dist_env.backend == "gloo" and cuda_emulation.is_enabled()
+    factor = 1.0 / dist_env.world_size
+    per_rank = [torch.arange(8, dtype=torch.float32) * (r + 1) + r for r in range(dist_env.world_size)]
+    expected = sum(factor * x for x in per_rank)  # computed here, from every rank's input
+    mine = per_rank[dist_env.rank].clone()
+
+    shard = torch.empty(8 // dist_env.world_size)
+    dist.reduce_scatter_tensor(output=shard, input=mine, op=dist._make_nccl_premul_sum(factor))
+    assert torch.allclose(shard, expected.chunk(dist_env.world_size)[dist_env.rank])
+    # the input is scaled in place (Megatron-FSDP's unfused path does the same before its SUM)
+    assert torch.equal(mine, factor * per_rank[dist_env.rank])
+
+    mine = per_rank[dist_env.rank].clone()
+    work = dist.all_reduce(mine, dist._make_nccl_premul_sum(torch.tensor(factor)), async_op=True)
+    work.wait()
+    assert torch.allclose(mine, expected)
+
+    # inside a coalescing manager (as Megatron-FSDP's bucketed reduce-scatter runs), asynchronous
+    inputs = [per_rank[dist_env.rank].clone() for _ in range(3)]
+    shards = [torch.empty(8 // dist_env.world_size) for _ in inputs]
+    with dist._coalescing_manager(async_ops=True) as manager:
+        for shard, tensor in zip(shards, inputs, strict=True):
+            dist.reduce_scatter_tensor(shard, tensor, op=dist._make_nccl_premul_sum(factor))
+    manager.wait()
+    for shard in shards:
+        assert torch.allclose(shard, expected.chunk(dist_env.world_size)[dist_env.rank])
+    # a plain op passes through untouched
+    total = per_rank[dist_env.rank].clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    assert torch.equal(total, sum(per_rank))
