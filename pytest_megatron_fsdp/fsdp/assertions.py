@@ -8,6 +8,7 @@ rank 0 could fail would leave rank 1 passing the same test.)
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 from .collectives import gather_objects
@@ -44,15 +45,27 @@ def assert_loss_decreased(result: TrainResult, min_relative_drop: float = 0.02) 
         )
 
 
-def sharded_fraction(model: Any) -> tuple[int, int]:
-    """(elements this rank holds, elements of the whole model) over the model's DTensor state."""
-    from torch.distributed.tensor import DTensor
+def sharded_fraction(model: Any) -> tuple[Fraction, int]:
+    """(elements this rank holds, elements of the whole model) over the model's DTensor state.
 
-    local = total = 0
+    Copies count once: a shard replicated along a mesh dimension counts on the ranks at
+    coordinate 0 of it only, and a DTensor whose mesh spans part of the world (a norm's weight,
+    sharded over the data-parallel ranks of one tensor-parallel rank, exists once per
+    tensor-parallel rank) counts as mesh size / world of its elements. So the ranks' counts add
+    up to the model's size exactly when no element is held twice.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    world = dist.get_world_size()
+    local, total = Fraction(0), 0
     for value in model.state_dict().values():
         if isinstance(value, DTensor):
-            local += value.to_local().numel()
             total += value.numel()
+            mesh = value.device_mesh
+            coordinate = mesh.get_coordinate() or []
+            if all(coordinate[i] == 0 for i, p in enumerate(value.placements) if isinstance(p, Replicate)):
+                local += Fraction(value.to_local().numel() * mesh.size(), world)
     return local, total
 
 
@@ -62,12 +75,14 @@ def assert_megatron_fsdp_sharded(model: Any, tolerance: float = 0.1) -> None:
     Plain DDP fails this: it keeps whole tensors on every rank and no DTensors.
     """
     import torch.distributed as dist
-    from megatron.core.distributed import FullyShardedDataParallel
 
-    if not isinstance(model, FullyShardedDataParallel):
+    from .versions import megatron_fsdp_wrapper_types
+
+    wrappers = megatron_fsdp_wrapper_types()
+    if not isinstance(model, wrappers):
         raise AssertionError(
-            f"model is {type(model).__module__}.{type(model).__name__}, not "
-            "megatron.core.distributed.FullyShardedDataParallel"
+            f"model is {type(model).__module__}.{type(model).__name__}, not megatron-core's "
+            f"FullyShardedDataParallel ({', '.join(w.__name__ for w in wrappers)})"
         )
     local, total = sharded_fraction(model)
     per_rank = gather_objects(local)
@@ -76,13 +91,13 @@ def assert_megatron_fsdp_sharded(model: Any, tolerance: float = 0.1) -> None:
         raise AssertionError("the Megatron-FSDP model's state_dict holds no DTensor shards")
     if sum(per_rank) != total:
         raise AssertionError(
-            f"shards do not partition the model: ranks hold {per_rank} elements, "
-            f"sum {sum(per_rank)} != {total} in the model"
+            f"shards do not partition the model: ranks hold {[f'{float(c):g}' for c in per_rank]} "
+            f"elements, sum {float(sum(per_rank)):g} != {total} in the model"
         )
     for rank, count in enumerate(per_rank):
         fraction = count / total
         if abs(fraction - 1 / world) > tolerance / world:
             raise AssertionError(
-                f"rank {rank} holds {count} of {total} elements ({fraction:.1%}); "
+                f"rank {rank} holds {float(count):g} of {total} elements ({fraction:.1%}); "
                 f"expected about {1 / world:.1%} with {world} ranks"
             )

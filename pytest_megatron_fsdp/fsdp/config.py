@@ -65,7 +65,8 @@ class DDPSection:
     fsdp_double_buffer: bool = False
     nccl_ub: bool = False
     outer_dp_sharding_strategy: str = "no_shard"
-    #: None: megatron's default (True), except on CPU ranks where gloo lacks PREMUL_SUM (False)
+    #: None: megatron's default (True: the average fused into the reduction as NCCL's PREMUL_SUM,
+    #: which the CUDA-on-CPU emulation provides over gloo)
     gradient_reduce_div_fusion: bool | None = None
     #: any other DistributedDataParallelConfig field (checked against megatron's when the run is built)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -444,6 +445,20 @@ def validate(
         warnings.append(
             "ddp.use_distributed_optimizer=False: Megatron-FSDP requires the distributed optimizer; "
             "switching it on (as Megatron does)"
+        )
+    if cfg.ddp.overlap_param_gather and not (fsdp or cfg.ddp.use_distributed_optimizer):
+        # Megatron-LM's arguments.py asserts it; megatron-core 0.19's DDP otherwise takes its
+        # layer-wise-optimizer path and fails in start_param_sync (layerwise_param_flat_sizes is None).
+        raise ConfigError(
+            "ddp.overlap_param_gather=True with Megatron DDP and ddp.use_distributed_optimizer=False: "
+            "overlapped parameter gathering needs the distributed optimizer or Megatron-FSDP; set "
+            "ddp.overlap_param_gather=False (or ddp.use_distributed_optimizer=True)"
+        )
+    if cfg.ddp.overlap_param_gather and not cfg.ddp.overlap_grad_reduce:
+        raise ConfigError(
+            "ddp.overlap_param_gather=True with ddp.overlap_grad_reduce=False: Megatron-LM requires "
+            "overlap_grad_reduce whenever parameter gathering overlaps; set ddp.overlap_grad_reduce=True "
+            "or ddp.overlap_param_gather=False"
         )
     _check_megatron_field_names(cfg)
     if purpose != "build" and not fsdp:

@@ -16,25 +16,36 @@ from . import versions
 
 #: the process groups the last initialize_model_parallel created (torch keeps them until destroyed)
 _MODEL_PARALLEL_GROUPS: list[Any] = []
+#: the layout they were made for: (tp, pp, cp, distributed-optimizer instances)
+_LAYOUT: list[tuple[int, int, int, int]] = []
 
 
-def initialize_model_parallel(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
+def initialize_model_parallel(
+    tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, optimizer_instances: int = 1
+) -> None:
     """Megatron's model-parallel state and seeded RNGs, as every Megatron test sets them up.
 
     State already up with the same sizes (an earlier test or run made it) is kept, only reseeded:
     building it again costs a store rendezvous per group, and each gloo group holds sockets and
     threads (17 groups, ~70 fds and ~50 threads per rank on 2 CPU ranks) that the models Megatron
     builds on them keep alive after their test. Other sizes replace it; the old groups are destroyed.
+    ``optimizer_instances`` > 1 splits the data-parallel group for HSDP (Megatron's
+    ``num_distributed_optimizer_instances``: the outer, inter-instance group).
     """
-    if parallel_state.model_parallel_is_initialized() and _model_parallel_sizes() == (tp, pp, cp):
+    layout = (tp, pp, cp, optimizer_instances)
+    if parallel_state.model_parallel_is_initialized() and _LAYOUT == [layout]:
         seed_everything(seed)
         return
     destroy_model_parallel()
     before = set(versions.live_process_groups())
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        num_distributed_optimizer_instances=optimizer_instances,
     )
     _MODEL_PARALLEL_GROUPS[:] = [g for g in versions.live_process_groups() if g not in before]
+    _LAYOUT[:] = [layout]
     seed_everything(seed)
 
 
@@ -46,6 +57,7 @@ def destroy_model_parallel() -> None:
     (a renewed process group) are skipped.
     """
     parallel_state.destroy_model_parallel()
+    _LAYOUT.clear()
     groups, _MODEL_PARALLEL_GROUPS[:] = list(_MODEL_PARALLEL_GROUPS), []
     if not dist.is_initialized():
         return
@@ -53,14 +65,6 @@ def destroy_model_parallel() -> None:
     for group in reversed(groups):
         if group in live:
             dist.destroy_process_group(group)
-
-
-def _model_parallel_sizes() -> tuple[int, int, int]:
-    return (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_context_parallel_world_size(),
-    )
 
 
 def seed_everything(seed: int) -> None:

@@ -6,6 +6,8 @@ Reads package metadata only: importing this module imports neither torch nor meg
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -32,15 +34,18 @@ def megatron_core_version() -> tuple[int, ...]:
 
 
 def stack_description() -> str:
-    """The packages under test, for the session header: ``torch X, megatron-core Y``."""
-    return f"torch {package_version('torch')}, megatron-core {package_version('megatron-core')}"
+    """The stack under test, for headers: ``Python X, torch Y, megatron-core Z[, megatron-fsdp W]``."""
+    import platform
 
-
-TENSOR_PARALLEL_FSDP_TE_BUG = (
-    "megatron-core < 0.17 without Transformer Engine: FullyShardedDataParallel."
-    "_fix_tensor_parallel_attributes does isinstance(m, (TELinear,)) with TELinear None -> TypeError "
-    "for tp > 1 (upstream bug, fixed in megatron-core 0.18 by PR #3191)"
-)
+    text = (
+        f"Python {platform.python_version()}, torch {package_version('torch')}, "
+        f"megatron-core {package_version('megatron-core')}"
+    )
+    standalone = package_version("megatron-fsdp")
+    if standalone == "not installed":
+        return text
+    problem = fully_shard_problem()
+    return f"{text}, megatron-fsdp {standalone}" + (f" (unusable: {problem})" if problem else "")
 
 
 def live_process_groups() -> list[Any]:
@@ -65,13 +70,6 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def tensor_parallel_fsdp_needs_te() -> bool:
-    """megatron-core < 0.17 without Transformer Engine: FullyShardedDataParallel's
-    ``_fix_tensor_parallel_attributes`` does ``isinstance(m, (TELinear,))`` with ``TELinear`` None,
-    a TypeError for any tp > 1 (upstream bug, fixed in megatron-core 0.18 by PR #3191)."""
-    return megatron_core_version() < (0, 17) and not transformer_engine_available()
-
-
 #: megatron-core dataclasses whose field names the config checks: the files defining them and the
 #: classes whose fields they inherit
 _DDP_SOURCE = "distributed/distributed_data_parallel_config.py"
@@ -88,31 +86,22 @@ _MEGATRON_CONFIG_SOURCES = {
 }
 
 
-@functools.cache
-def megatron_config_fields(class_name: str) -> frozenset[str] | None:
-    """Field names of the installed megatron-core's ``DistributedDataParallelConfig`` or
-    ``TransformerConfig`` (with ``ModelParallelConfig``), read from its source with ``ast``.
-
-    Importing megatron would import torch; the plugin checks ``--mfsdp-set`` at configure time,
-    before any rank work, so it reads the dataclass definitions instead. None when megatron-core
-    is not installed or its layout is unknown (the run then checks when it builds the configs).
-    """
+def _dataclass_fields(package: str, sources: tuple[str, ...], classes: set[str]) -> frozenset[str] | None:
+    """Field names of ``classes`` as defined in ``package``'s ``sources``, read with ``ast``."""
     import ast
     from importlib import util
 
     try:
-        spec = util.find_spec("megatron")
+        spec = util.find_spec(package)
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
     names: set[str] = set()
-    sources, classes = _MEGATRON_CONFIG_SOURCES[class_name]
     for relative in sources:
         for root in spec.submodule_search_locations:
-            path = f"{root}/core/{relative}"
             try:
-                with open(path, encoding="utf-8") as source:
+                with open(f"{root}/{relative}", encoding="utf-8") as source:
                     tree = ast.parse(source.read())
             except OSError:
                 continue
@@ -127,19 +116,46 @@ def megatron_config_fields(class_name: str) -> frozenset[str] | None:
     return frozenset(names) or None
 
 
-NO_SHARD_PARAM_SYNC_BUG = (
-    "megatron-core 0.16.1 upstream bug: with data_parallel_sharding_strategy='no_shard' and "
-    "overlap_param_gather=False, MegatronFSDP.start_param_sync (called by DistributedOptimizer."
-    "step_with_ready_grads) runs all_gather_pipeline.async_bucket_gather for every bucket before its "
-    "own 'model_weight_buffer is None: continue' check; no_shard has no model weight buffer, so "
-    "fetch_bucket is called on None. With overlap_param_gather=True the path is not taken and no_shard trains"
-)
+@functools.cache
+def megatron_config_fields(class_name: str) -> frozenset[str] | None:
+    """Field names of the installed megatron-core's ``DistributedDataParallelConfig``,
+    ``TorchFullyShardedDataParallelConfig`` or ``TransformerConfig`` (with the classes they inherit).
+
+    Importing megatron would import torch; the plugin checks ``--mfsdp-set`` at configure time,
+    before any rank work, so it reads the dataclass definitions instead. None when megatron-core
+    is not installed or its layout is unknown (the run then checks when it builds the configs).
+    """
+    sources, classes = _MEGATRON_CONFIG_SOURCES[class_name]
+    return _dataclass_fields("megatron", tuple(f"core/{s}" for s in sources), classes)
 
 
-def no_shard_param_sync_bug() -> bool:
-    """``no_shard`` + ``overlap_param_gather=False`` fails in ``start_param_sync`` (see the message).
-    Verified on 0.16.1 only; on other versions the test runs and says so if it still fails."""
-    return megatron_core_version()[:2] == (0, 16)
+@functools.cache
+def fully_shard_problem() -> str | None:
+    """Why ``megatron_fsdp.fully_shard`` cannot run here, in one line (None: it can).
+
+    When megatron-core imports, megatron-fsdp builds megatron-core's ``DistributedDataParallelConfig``
+    instead of its own, so the pair must agree on that config's fields (megatron-fsdp 0.6.1 beside
+    megatron-core 0.16.1 fails: ``unexpected keyword argument 'fsdp_db_use_persist_buf_on_alloc_fail'``).
+    """
+    standalone = package_version("megatron-fsdp")
+    if standalone == "not installed":
+        return "megatron-fsdp is not installed (pip install -e '.[fully-shard]')"
+    core = package_version("megatron-core")
+    if core == "not installed":
+        return None
+    wanted = _dataclass_fields(
+        "megatron_fsdp", (_DDP_SOURCE.split("/")[-1],), {"DistributedDataParallelConfig"}
+    )
+    have = megatron_config_fields("DistributedDataParallelConfig")
+    missing = sorted((wanted or set()) - (have or set())) if wanted and have else []
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return (
+            f"megatron-fsdp {standalone} cannot run beside megatron-core {core}: fully_shard builds "
+            f"megatron-core's DistributedDataParallelConfig, which has no {missing[0]}{more}; "
+            "use megatron-core >= 0.19 (or uninstall megatron-fsdp)"
+        )
+    return None
 
 
 META_INIT_LOCAL_SPEC = (
@@ -160,21 +176,125 @@ def meta_init_unsupported_by_local_spec() -> bool:
     )
 
 
-FSDP2_FINISH_GRAD_SYNC_BUG = (
-    "upstream API mismatch: megatron's finalize_model_grads calls "
-    "model_chunk.finish_grad_sync(force_all_reduce=...), but TorchFullyShardedDataParallel inherits "
-    "_BaseDataParallel.finish_grad_sync(self), which takes no such argument -> TypeError after the first "
-    "backward. FSDP2 therefore cannot train through Megatron's schedule on this megatron-core"
+def megatron_fsdp_wrapper_types(wrapper: Any = None) -> tuple[type, ...]:
+    """The classes a model wrapped by megatron-core's ``FullyShardedDataParallel`` is an instance of.
+
+    Up to 0.19 it is a class. On upstream main it is a factory returning ``FullyShardedDataParallelV1``
+    or ``V2`` (chosen by the DDP config's ``megatron_fsdp_version``), so ``isinstance`` against it
+    fails (Megatron-Bridge #5232, #5357): then the ``FullyShardedDataParallelV*`` classes of the
+    factory's module. ``wrapper``: the object to inspect (default: megatron-core's; imports megatron).
+    """
+    import sys
+
+    if wrapper is None:
+        from megatron.core.distributed import FullyShardedDataParallel as wrapper
+    if isinstance(wrapper, type):
+        return (wrapper,)
+    namespace = vars(sys.modules[wrapper.__module__])
+    found = tuple(
+        value
+        for name, value in sorted(namespace.items())
+        if name.startswith("FullyShardedDataParallelV") and isinstance(value, type)
+    )
+    if not found:
+        raise TypeError(
+            f"{wrapper.__module__}.{getattr(wrapper, '__name__', wrapper)} is neither a class nor a factory "
+            "beside FullyShardedDataParallelV* classes: this megatron-core's wrapper layout is unknown"
+        )
+    return found
+
+
+# -- known upstream bugs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KnownBug:
+    """An upstream bug and the releases of ``package`` that have it: ``first <= version < fixed_in``.
+
+    Tests mark themselves strict-xfail where :meth:`present` (the test must fail there, or it
+    XPASSes loudly) and run as ordinary tests elsewhere (where the fix must hold).
+    """
+
+    #: one line for the xfail reason, citing the upstream issue or PR
+    reason: str
+    fixed_in: tuple[int, ...] | None
+    first: tuple[int, ...] = (0,)
+    #: an extra condition beyond the version (e.g. "without Transformer Engine")
+    only_if: Callable[[], bool] | None = None
+    #: the distribution whose version decides ("megatron-fsdp" for the standalone fully_shard)
+    package: str = "megatron-core"
+
+    def present(self, version: tuple[int, ...] | None = None) -> bool:
+        version = _version_tuple(package_version(self.package)) if version is None else version
+        in_range = self.first <= version and (self.fixed_in is None or version < self.fixed_in)
+        return in_range and (self.only_if is None or self.only_if())
+
+
+#: ``no_shard`` with ``overlap_param_gather=False``: ``start_param_sync`` fetches a bucket of the
+#: weight buffer no_shard does not have (``'NoneType' object has no attribute 'fetch_bucket'``).
+NO_SHARD_PARAM_SYNC = KnownBug(
+    "upstream bug: no_shard + overlap_param_gather=False crashes in MegatronFSDP.start_param_sync "
+    "(fetch_bucket on None); fixed in megatron-core 0.18 (Megatron-LM PR #3754)",
+    fixed_in=(0, 18),
 )
 
+#: ``optim`` with ``overlap_grad_reduce=True``: ``_bucket_group_gradient_reduce`` reduce-scatters
+#: into a fresh tensor and adds it onto the rank's still-unreduced shard (``local_grad +=
+#: reduced_grad``), so that shard counts its own rank twice; 0.17 copies instead.
+OPTIM_OVERLAP_DOUBLE_COUNT = KnownBug(
+    "upstream bug: 'optim' + overlap_grad_reduce=True adds the reduced shard onto the unreduced "
+    "local gradient (local_grad += reduced_grad); changed in megatron-core 0.17 (Megatron-LM PR #3067)",
+    fixed_in=(0, 17),
+)
 
-def fsdp2_finish_grad_sync_bug() -> bool:
-    """Feature check (imports megatron; call inside a rank): does FSDP2's ``finish_grad_sync`` lack
-    the ``force_all_reduce`` argument that ``finalize_model_grads`` passes?"""
-    import inspect
+#: ``optim`` with ``overlap_grad_reduce=False`` on 0.19: the post-backward hook reduces the
+#: gradients on the last micro-batch (``_process_post_backward_gradients`` ->
+#: ``grad_reduce_pipeline.reduce_gradients``), then ``finish_grad_sync`` -> ``synchronize_gradient_reduce``
+#: -> ``start_grad_sync`` reduce-scatters the same buffer again (``reduce_scatter_gradients``). For
+#: 'optim' the buffer is not sharded, so the second pass mixes reduced and unreduced values. Measured
+#: on CPU ranks: 4.811087 vs DDP's 4.809149 at iteration 2; without the second pass, exact parity.
+OPTIM_SYNC_DOUBLE_REDUCE = KnownBug(
+    "upstream bug (measured on 0.19.2): 'optim' + overlap_grad_reduce=False reduces gradients twice "
+    "(post-backward hook, then finish_grad_sync -> start_grad_sync); no upstream fix known; see "
+    "Megatron-LM PR #4891's discussion of forcing overlap_grad_reduce for sharded strategies",
+    first=(0, 19),
+    fixed_in=None,
+)
 
-    from megatron.core.distributed import TorchFullyShardedDataParallel
+#: tp > 1 without Transformer Engine: ``_fix_tensor_parallel_attributes`` does
+#: ``isinstance(m, (TELinear,))`` with ``TELinear`` None -> TypeError.
+TENSOR_PARALLEL_WITHOUT_TE = KnownBug(
+    "upstream bug: tp > 1 without Transformer Engine raises TypeError in FullyShardedDataParallel."
+    "_fix_tensor_parallel_attributes (isinstance with TELinear=None); fixed in megatron-core 0.18 "
+    "(Megatron-LM PR #3191)",
+    fixed_in=(0, 18),
+    only_if=lambda: not transformer_engine_available(),
+)
 
-    return (
-        "force_all_reduce" not in inspect.signature(TorchFullyShardedDataParallel.finish_grad_sync).parameters
-    )
+#: FSDP2: ``finalize_model_grads`` calls ``finish_grad_sync(force_all_reduce=...)``, which
+#: ``TorchFullyShardedDataParallel`` (through ``_BaseDataParallel``) does not take.
+FSDP2_FINISH_GRAD_SYNC = KnownBug(
+    "upstream bug: TorchFullyShardedDataParallel.finish_grad_sync() takes no force_all_reduce -> "
+    "TypeError after the first backward (Megatron-LM issue #4669); fixed in megatron-core 0.19 (PR #4953)",
+    fixed_in=(0, 19),
+)
+
+#: ``fully_shard_optimizer`` initialises the optimizer's state eagerly with one ``step()`` on zero
+#: gradients: Adam's step count is then 1 ahead, so its bias correction under-applies the first
+#: real update (SGD, whose zero-gradient step changes nothing, is unaffected).
+FULLY_SHARD_EAGER_OPTIMIZER_STEP = KnownBug(
+    "upstream bug: fully_shard_optimizer's eager init step() puts Adam one step ahead, so the first "
+    "real update is under-applied (Megatron-LM issue #5974, fixed on main by PR #5976)",
+    first=(0, 6),
+    fixed_in=None,
+    package="megatron-fsdp",
+)
+
+KNOWN_BUGS = {
+    "fully_shard_eager_optimizer_step": FULLY_SHARD_EAGER_OPTIMIZER_STEP,
+    "no_shard_param_sync": NO_SHARD_PARAM_SYNC,
+    "optim_overlap_double_count": OPTIM_OVERLAP_DOUBLE_COUNT,
+    "optim_sync_double_reduce": OPTIM_SYNC_DOUBLE_REDUCE,
+    "tensor_parallel_without_te": TENSOR_PARALLEL_WITHOUT_TE,
+    "fsdp2_finish_grad_sync": FSDP2_FINISH_GRAD_SYNC,
+}

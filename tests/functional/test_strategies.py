@@ -3,7 +3,7 @@ against a Megatron DDP baseline (same seed, same data), gradient accumulation, t
 bf16, meta-device init, and the wrapper Bridge's ``_ddp_wrap`` would pick.
 
 On CPU ranks (fp32, gloo) the per-iteration losses are compared exactly: Megatron-FSDP and DDP add
-the same numbers in the same order there (FINDINGS §2 measured bit-identical). On GPUs NCCL's
+the same numbers in the same order there (measured bit-identical). On GPUs NCCL's
 reduction order differs, so the comparison allows ``GPU_RTOL`` (not verified in this session).
 """
 
@@ -20,18 +20,6 @@ from pytest_megatron_fsdp.config import apply_perf_harness_overrides
 from pytest_megatron_fsdp.fsdp import versions
 
 ITERS = 6
-OPTIM_OVERLAP_CPU_MISMATCH = (
-    "measured on CPU ranks, megatron-core 0.16.1: 'optim' with overlap_grad_reduce=True departs from "
-    "DDP at iteration 2 (4.809291 vs 4.809149, ~3e-5 relative; overlap_param_gather on or off makes no "
-    "difference; with overlap off it matches to ~5e-8; the gap grows: 4.5640 vs 4.5508 at iteration 4, "
-    "untied embeddings too). Likely cause, read in megatron_fsdp/param_and_grad_buffer.py "
-    "(_bucket_group_gradient_reduce): the overlapped path reduce-scatters each bucket into a fresh "
-    "tensor and then does `local_grad += reduced_grad` into get_shard_from_local_buffer(), which for "
-    "'optim' (gradients not sharded) is a slice of the same buffer that still holds this rank's "
-    "unreduced gradient, so that shard counts its own rank twice; the synchronous path reduce-scatters "
-    "in place. Plain tensor code, all collectives there are synchronous on CPU ranks, so not a CPU "
-    "artefact as far as read; not verified on GPU"
-)
 #: GPUs: reduce-scatter vs all-reduce and bf16 kernels reorder sums; fp32 CPU ranks are exact.
 GPU_RTOL = 1e-4
 OPTIM_CPU_RTOL = 1e-6
@@ -42,8 +30,10 @@ def _ddp_baseline(cfg):
     base = cfg.copy()
     base.dist.use_megatron_fsdp = False
     base.ddp.use_megatron_fsdp = False
-    # On CPU ranks Megatron DDP's distributed optimizer fails a torch.cuda type check (FINDINGS §2).
+    # On CPU ranks Megatron DDP's distributed optimizer fails a torch.cuda type check; without it,
+    # parameter gathering cannot overlap (Megatron-LM's rule; validate() enforces it).
     base.ddp.use_distributed_optimizer = False
+    base.ddp.overlap_param_gather = False
     return base
 
 
@@ -87,10 +77,21 @@ def ddp_losses(megatron_fsdp_run, run_config, dist_env):
     ],
 )
 def test_strategy_matches_ddp_baseline(
-    request, megatron_fsdp_run, run_config, dist_env, ddp_losses, strategy, overlap
+    known_bug, megatron_fsdp_run, run_config, dist_env, ddp_losses, strategy, overlap
 ):
-    if strategy == "optim" and overlap and dist_env.platform == "cpu":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=OPTIM_OVERLAP_CPU_MISMATCH))
+    """Each sharding strategy trains to DDP's losses (exact on fp32 CPU ranks, 'optim' within ulps).
+
+    Known upstream bugs ('optim' only), measured on CPU ranks:
+    - 0.16: with overlap_grad_reduce=True it departs from DDP at iteration 2 (4.809291 vs 4.809149;
+      4.5640 vs 4.5508 at iteration 4): the overlapped path reduce-scatters each bucket into a fresh
+      tensor and then does ``local_grad += reduced_grad`` into the rank's shard of the unsharded
+      buffer, which still holds its unreduced gradient (so that rank counts twice).
+    - 0.19: with overlap_grad_reduce=False it departs at iteration 2 (4.811087 vs 4.809149): the
+      post-backward hook reduces the last micro-batch's gradients, then finish_grad_sync reduces the
+      same unsharded buffer again; with the second reduction disabled the losses match exactly.
+    """
+    if strategy == "optim":
+        known_bug(versions.OPTIM_OVERLAP_DOUBLE_COUNT if overlap else versions.OPTIM_SYNC_DOUBLE_REDUCE)
     run_config.ddp.data_parallel_sharding_strategy = strategy
     run_config.ddp.overlap_grad_reduce = overlap
     run_config.ddp.overlap_param_gather = overlap
@@ -105,9 +106,9 @@ def test_strategy_matches_ddp_baseline(
 
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_no_shard(request, megatron_fsdp_run, run_config, dist_env, ddp_losses, overlap):
-    if not overlap and versions.no_shard_param_sync_bug():
-        request.applymarker(pytest.mark.xfail(strict=True, reason=versions.NO_SHARD_PARAM_SYNC_BUG))
+def test_no_shard(known_bug, megatron_fsdp_run, run_config, dist_env, ddp_losses, overlap):
+    if not overlap:
+        known_bug(versions.NO_SHARD_PARAM_SYNC)
     run_config.ddp.data_parallel_sharding_strategy = "no_shard"
     run_config.ddp.overlap_grad_reduce = overlap
     run_config.ddp.overlap_param_gather = overlap
@@ -141,11 +142,8 @@ def test_gradient_accumulation_four_microbatches(megatron_fsdp_run, run_config, 
 
 
 @pytest.mark.distributed(world_size=2, tp=2)
-def test_tensor_parallel_2(request, megatron_fsdp_run, run_config):
-    if versions.tensor_parallel_fsdp_needs_te():
-        request.applymarker(
-            pytest.mark.xfail(raises=TypeError, strict=True, reason=versions.TENSOR_PARALLEL_FSDP_TE_BUG)
-        )
+def test_tensor_parallel_2(known_bug, megatron_fsdp_run, run_config):
+    known_bug(versions.TENSOR_PARALLEL_WITHOUT_TE, raises=TypeError)
     assert run_config.model.tensor_model_parallel_size == 2
     result = megatron_fsdp_run(run_config).train(ITERS)
     assert_last_loss_finite(result)
@@ -198,11 +196,8 @@ def test_torch_fsdp2_wrapper_is_constructed_with_process_group(megatron_fsdp_run
 
 
 @pytest.mark.distributed(world_size=2)
-def test_torch_fsdp2_trains(request, megatron_fsdp_run, run_config):
-    if versions.fsdp2_finish_grad_sync_bug():
-        request.applymarker(
-            pytest.mark.xfail(raises=TypeError, strict=True, reason=versions.FSDP2_FINISH_GRAD_SYNC_BUG)
-        )
+def test_torch_fsdp2_trains(known_bug, megatron_fsdp_run, run_config):
+    known_bug(versions.FSDP2_FINISH_GRAD_SYNC, raises=TypeError)
     # Tied embeddings: the output layer would use the embedding's sharded DTensor weight outside
     # its FSDP unit ("mixed torch.Tensor and DTensor", measured); Bridge's reference model unties them.
     run_config.model.overrides["untie_embeddings_and_output_weights"] = True
@@ -233,3 +228,47 @@ def test_invalid_config_fails_before_the_model_is_built(megatron_fsdp_run, run_c
     with pytest.raises(config.ConfigError, match="CUDA_DEVICE_MAX_CONNECTIONS='1'"):
         megatron_fsdp_run(run_config)
     assert built == []
+
+
+@pytest.mark.distributed(world_size=4, tp=2)
+def test_tensor_parallel_2_data_parallel_2_matches_ddp(known_bug, megatron_fsdp_run, run_config, ddp_losses):
+    """tp=2 x dp=2 on 4 ranks: Megatron-FSDP shards over the data-parallel pair of each
+    tensor-parallel rank and trains to DDP's losses (the same tp=2 layout, same data)."""
+    known_bug(versions.TENSOR_PARALLEL_WITHOUT_TE, raises=TypeError)
+    assert run_config.model.tensor_model_parallel_size == 2
+    run = megatron_fsdp_run(run_config)
+    result = run.train(ITERS)
+    assert_megatron_fsdp_sharded(run.model)
+    assert_loss_decreased(result)
+    _assert_same_losses(result.losses, ddp_losses, OPTIM_CPU_RTOL, "tp2 x dp2")
+
+
+@pytest.mark.distributed(world_size=4)
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_hsdp_two_optimizer_instances_train_and_round_trip(
+    megatron_fsdp_run, run_config, checkpoint_dir, outer
+):
+    """HSDP on 4 ranks: 2 distributed-optimizer instances (replicas, or optimizer-sharded with
+    outer='optim') of a model fully sharded over 2 ranks each; it learns, and its fsdp_dtensor
+    checkpoint loads back into a fresh run exactly."""
+    from pytest_megatron_fsdp.checkpoint import (
+        assert_states_equal,
+        load_checkpoint,
+        save_checkpoint,
+        state_snapshot,
+    )
+
+    run_config.ddp.num_distributed_optimizer_instances = 2
+    run_config.ddp.outer_dp_sharding_strategy = outer
+    run = megatron_fsdp_run(run_config)
+    result = run.train(ITERS)
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
+    save_checkpoint(run, checkpoint_dir)
+    expected = state_snapshot(run)
+    fresh_cfg = run_config.copy()
+    fresh_cfg.train.seed += 1
+    fresh = megatron_fsdp_run(fresh_cfg)
+    load_checkpoint(fresh, checkpoint_dir)
+    assert_states_equal(expected, state_snapshot(fresh))
+    assert_last_loss_finite(fresh.train(2))

@@ -50,13 +50,15 @@ def test_frozen_model_fails_the_learned_check(megatron_fsdp_run, run_config):
 def test_plain_ddp_fails_the_sharding_check(megatron_fsdp_run, run_config):
     run_config.dist.use_megatron_fsdp = False
     run_config.ddp.use_megatron_fsdp = False
-    # On CPU ranks the DDP + distributed-optimizer path fails a CUDA type check (FINDINGS §2).
+    # On CPU ranks the DDP + distributed-optimizer path fails a CUDA type check; without the
+    # distributed optimizer, parameter gathering cannot overlap (validate() refuses it).
     run_config.ddp.use_distributed_optimizer = False
+    run_config.ddp.overlap_param_gather = False
     run = megatron_fsdp_run(run_config)
     result = run.train(3)
     assert_last_loss_finite(result)  # it trains fine: only the sharding check tells it apart
     with pytest.raises(
         AssertionError,
-        match="DistributedDataParallel, not megatron.core.distributed.FullyShardedDataParallel",
+        match="DistributedDataParallel, not megatron-core.s FullyShardedDataParallel",
     ):
         assert_megatron_fsdp_sharded(run.model)

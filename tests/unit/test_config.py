@@ -1,4 +1,4 @@
-"""The config surface: every validation rule (FINDINGS §4), the seed's helpers, set/assign.
+"""The config surface: every validation rule (Bridge's and Megatron-LM's), the seed's helpers, set/assign.
 
 Plain pytest; nothing here imports torch or megatron.
 """

@@ -117,9 +117,13 @@ def test_the_package_is_layered_and_acyclic():
     assert layering_problems(PACKAGE) == []
 
 
-def test_no_package_file_cites_a_document_outside_the_repository():
-    cited = [p.name for p in PACKAGE.rglob("*.py") if "FINDINGS" in p.read_text()]
-    assert cited == []
+def test_no_file_cites_a_document_outside_the_repository():
+    # the design notes the project started from live outside the repository: citing them leaves a
+    # reader nothing to follow (the name is split so that this file does not cite it either)
+    name = "FIND" + "INGS"
+    root = PACKAGE.parent
+    files = [*PACKAGE.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "bench").glob("*.py")]
+    assert [str(p.relative_to(root)) for p in files if name in p.read_text()] == []
 
 
 def _package(tmp_path: Path, files: dict[str, str]) -> Path:
