@@ -19,6 +19,7 @@ from .harness.protocol import spec_of
 from .harness.session import RANK_SESSION, RankSession
 
 if TYPE_CHECKING:
+    from .fsdp.fully_shard import FullyShardRun
     from .fsdp.training import TrainingRun
 
 
@@ -83,8 +84,10 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     if not options.resolve(request.config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")):
         disable_megatron_fsdp(cfg)
         if megatron_parallel.platform == "cpu":
-            # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks.
+            # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks; without
+            # the distributed optimizer, parameter gathering cannot overlap (validate() says why).
             cfg.ddp.use_distributed_optimizer = False
+            cfg.ddp.overlap_param_gather = False
     for assignment in options.resolve(request.config, "set", kwargs.get("set")):
         try:
             cfg.assign(assignment)
@@ -110,6 +113,49 @@ def megatron_fsdp_run(
 
     def build(cfg: RunConfig | None = None) -> TrainingRun:
         run = TrainingRun(cfg or run_config, megatron_parallel, observer=recorder)
+        recorder.started(run)
+        runs.append(run)
+        return run
+
+    try:
+        yield build
+    finally:
+        for run in runs:
+            run.close()
+
+
+@pytest.fixture
+def fully_shard_run(
+    request: pytest.FixtureRequest, dist_env: DistEnv
+) -> Iterator[Callable[..., FullyShardRun]]:
+    """Factory for the standalone Megatron-FSDP API, on a model and optimizer the test brings:
+    ``fully_shard_run(module, optimizer, batches, loss_fn, **fully_shard_kwargs)``.
+
+    ``megatron_fsdp.fully_shard`` wraps them (kwargs passed through: ``zero_dp_strategy``,
+    ``fsdp_unit_modules``, ``mixed_precision_policy``, mesh dims ...); ``run.train(n)`` returns the
+    same :class:`TrainResult` as ``megatron_fsdp_run``'s runs and is recorded the same way. torch's
+    RNG is seeded identically on every rank first, so modules the test builds agree across ranks.
+    Skipped, with the reason in one line, where megatron-fsdp is missing or cannot run beside the
+    installed megatron-core.
+    """
+    from .fsdp import versions
+
+    problem = versions.fully_shard_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    import torch
+
+    from .fsdp.fully_shard import FullyShardRun
+    from .reporting.metrics import TestRecorder
+
+    torch.manual_seed(RunConfig().train.seed)
+    recorder = TestRecorder(request.node)
+    runs: list[FullyShardRun] = []
+
+    def build(module, optimizer, batches, loss_fn, **fully_shard_kwargs) -> FullyShardRun:
+        run = FullyShardRun(
+            module, optimizer, batches, loss_fn, dist_env, observer=recorder, **fully_shard_kwargs
+        )
         recorder.started(run)
         runs.append(run)
         return run

@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from . import marker, options
-from .fixtures import checkpoint_dir, dist_env, megatron_fsdp_run, megatron_parallel, run_config  # noqa: F401
+from .fixtures import (  # noqa: F401  (fixtures)
+    checkpoint_dir,
+    dist_env,
+    fully_shard_run,
+    megatron_fsdp_run,
+    megatron_parallel,
+    run_config,
+)
 from .fsdp import versions
 from .harness import protocol
 from .harness.controller import Controller, plan_platforms, remember_items

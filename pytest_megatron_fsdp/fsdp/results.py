@@ -19,3 +19,18 @@ class TrainResult:
     @property
     def last_loss(self) -> float:
         return self.losses[-1]
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a run is, as the reports name it."""
+
+    platform: str
+    #: the model preset's name (a megatron-core run), or the model's class (fully_shard)
+    preset: str
+    #: Megatron-FSDP's sharding strategy, or "ddp" / "fsdp2"
+    strategy: str
+    world_size: int
+    data_parallel_size: int
+    #: tokens one optimizer step consumes over all data-parallel ranks (0: unknown)
+    tokens_per_step: int = 0

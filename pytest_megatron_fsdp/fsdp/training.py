@@ -25,7 +25,7 @@ from . import model as model_builder
 from .config import ConfigWarning, RunConfig, validate
 from .parallel import initialize_model_parallel
 from .presets import ModelPreset
-from .results import TrainResult
+from .results import RunFacts, TrainResult
 
 
 class RunObserver(Protocol):
@@ -71,6 +71,7 @@ class TrainingRun:
             m.pipeline_model_parallel_size,
             m.context_parallel_size,
             cfg.train.seed,
+            cfg.ddp.num_distributed_optimizer_instances,
         )
         gpt = model_builder.build_gpt(cfg, self.preset, env)
         self.model = model_builder.wrap_data_parallel(cfg, gpt, env)
@@ -188,6 +189,22 @@ class TrainingRun:
 
     def load_data_stream_state(self, state: torch.Tensor) -> None:
         self._generator.set_state(state)
+
+    def facts(self) -> RunFacts:
+        dp = self.env.world_size // self.cfg.model_parallel_size
+        if self.cfg.uses_megatron_fsdp:
+            strategy = self.cfg.ddp.data_parallel_sharding_strategy
+        else:
+            strategy = "fsdp2" if self.cfg.dist.use_torch_fsdp2 else "ddp"
+        p = self.preset
+        return RunFacts(
+            platform=self.env.platform,
+            preset=p.name,
+            strategy=strategy,
+            world_size=self.env.world_size,
+            data_parallel_size=dp,
+            tokens_per_step=p.micro_batch_size * p.seq_length * self.cfg.train.num_microbatches * dp,
+        )
 
     def notify_checkpoint(self, **figures: float) -> None:
         """Checkpoint figures (``bytes``, ``save_s``, ``load_s``) for the observer."""

@@ -1,0 +1,182 @@
+"""The standalone Megatron-FSDP API, ``megatron_fsdp.fully_shard``, on a model the test brings.
+
+``fully_shard(module, optimizer, ...)`` wraps any torch module (and rebinds the optimizer to the
+sharded parameters); :class:`FullyShardRun` trains it on the test's batches and loss function and
+returns the same :class:`TrainResult` as a megatron-core run, so the assertions, the metrics and the
+reports work unchanged. :func:`train_with_torch_ddp` trains the same model under torch's
+``DistributedDataParallel``: the baseline a sharded run must match.
+
+Imports torch at module level and ``megatron_fsdp`` when a run is built (inside a rank only).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..environment import DistEnv
+from .results import RunFacts, TrainResult
+
+#: ``loss_fn(model, batch) -> scalar loss tensor``
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+#: the batches, in order: an iterable, or ``batches(iteration) -> batch`` (iteration counts from 0)
+Batches = Iterable[Any] | Callable[[int], Any]
+
+
+def _batch_stream(batches: Batches) -> Callable[[int], Any]:
+    if callable(batches):
+        return batches
+    iterator: Iterator[Any] = iter(batches)
+    return lambda iteration: next(iterator)
+
+
+def _data_parallel_mean(value: float, env: DistEnv, group: Any = None) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, group=group)
+    return float(t.item()) / dist.get_world_size(group)
+
+
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> float:
+    """The L2 norm of the whole model's gradient, however it is sharded (one all_reduce).
+
+    Each rank adds the squares of the gradient shards it holds; a shard replicated along some mesh
+    dimensions (no_shard, HSDP's outer dimension) is counted by the ranks at coordinate 0 there only.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            coordinate = grad.device_mesh.get_coordinate() or []
+            replicated = [i for i, p in enumerate(grad.placements) if isinstance(p, Replicate)]
+            if any(coordinate[i] != 0 for i in replicated):
+                continue
+            grad = grad.to_local()
+        elif env.rank != 0:
+            continue  # a whole tensor on every rank (torch DDP): rank 0 counts it
+        total += grad.detach().double().square().sum()
+    dist.all_reduce(total)
+    return math.sqrt(float(total))
+
+
+class FullyShardRun:
+    """``megatron_fsdp.fully_shard(module, optimizer, **kwargs)``, then a training loop.
+
+    ``kwargs`` go to ``fully_shard`` unchanged (``zero_dp_strategy``, ``fsdp_unit_modules``,
+    ``mixed_precision_policy``, ``device_mesh``, ``dp_shard_dim``, ``dp_outer_dim``,
+    ``hybrid_fsdp_group``, ``outer_dp_sharding_strategy``, ...); ``device`` defaults to the rank's.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        batches: Batches,
+        loss_fn: LossFn,
+        env: DistEnv,
+        observer: Any = None,
+        tokens_per_batch: int = 0,
+        **fully_shard_kwargs: Any,
+    ) -> None:
+        """``tokens_per_batch``: tokens in one rank's batch, for tokens/s (0: not reported)."""
+        from megatron_fsdp import fully_shard
+
+        self.env = env
+        self.loss_fn = loss_fn
+        self._batch = _batch_stream(batches)
+        #: told of every result (the fully_shard_run fixture records it), as for a TrainingRun
+        self.observer = observer
+        self.fully_shard_kwargs = dict(fully_shard_kwargs)
+        fully_shard_kwargs.setdefault("device", torch.device(env.device))
+        self._model_name = type(module).__name__
+        self._tokens_per_batch = tokens_per_batch
+        self.model, self.optimizer = fully_shard(module, optimizer, **fully_shard_kwargs)
+        self.iteration = 0
+
+    def facts(self) -> RunFacts:
+        world = self.env.world_size  # fully_shard here: every rank is data-parallel
+        return RunFacts(
+            platform=self.env.platform,
+            preset=self._model_name,
+            strategy=self.strategy,
+            world_size=world,
+            data_parallel_size=world,
+            tokens_per_step=self._tokens_per_batch * world,
+        )
+
+    @property
+    def strategy(self) -> str:
+        """The zero_dp_strategy, as the reports name Megatron-FSDP's strategies."""
+        names = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+        strategy = self.fully_shard_kwargs.get("zero_dp_strategy", 3)
+        return names.get(strategy, str(strategy))
+
+    def train(self, iterations: int) -> TrainResult:
+        """``iterations`` optimizer steps, one batch each; per-step figures as a megatron-core run."""
+        result = TrainResult()
+        for _ in range(iterations):
+            start = time.perf_counter()
+            self.model.train()
+            self.optimizer.zero_grad()
+            loss = self.loss_fn(self.model, self._batch(self.iteration))
+            loss.backward()
+            # Megatron-FSDP syncs the gradients at the end of backward (sync_model_each_microbatch,
+            # the default); the wrapped optimizer's step() finishes anything still pending.
+            grad_norm = global_grad_norm(self.model.parameters(), self.env)
+            self.optimizer.step()
+            if self.env.platform == "cuda":
+                torch.cuda.synchronize()
+            result.step_times_s.append(time.perf_counter() - start)
+            local = float(loss.detach())
+            result.local_losses.append(local)
+            result.losses.append(_data_parallel_mean(local, self.env))
+            result.grad_norms.append(grad_norm)
+            self.iteration += 1
+        if self.observer is not None:
+            self.observer.on_result(self, result)
+        return result
+
+    def notify_checkpoint(self, **figures: float) -> None:
+        if self.observer is not None:
+            self.observer.on_checkpoint(self, figures)
+
+    def close(self) -> None:
+        self.model = None
+        self.optimizer = None
+
+
+def train_with_torch_ddp(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Batches,
+    loss_fn: LossFn,
+    env: DistEnv,
+    iterations: int,
+) -> TrainResult:
+    """The baseline: the same loop under ``torch.nn.parallel.DistributedDataParallel``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(module, device_ids=None if env.platform == "cpu" else [env.local_rank])
+    batch = _batch_stream(batches)
+    result = TrainResult()
+    for iteration in range(iterations):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch(iteration))
+        loss.backward()
+        grad_norm = global_grad_norm(model.parameters(), env)
+        optimizer.step()
+        result.step_times_s.append(time.perf_counter() - start)
+        local = float(loss.detach())
+        result.local_losses.append(local)
+        result.losses.append(_data_parallel_mean(local, env))
+        result.grad_norms.append(grad_norm)
+    return result

@@ -1,0 +1,194 @@
+"""The standalone Megatron-FSDP API: ``megatron_fsdp.fully_shard`` on a plain torch model.
+
+A two-block MLP (each block an FSDP unit) trains on per-rank random batches; every sharding
+strategy must match ``torch.nn.parallel.DistributedDataParallel`` on the same model and data.
+Exactness: with 2 data-parallel ranks the averaged gradient is (a + b) / 2 under DDP and
+a / 2 + b / 2 under Megatron-FSDP's pre-multiplied sum; halving is exact in binary floating point,
+so fp32 CPU ranks agree to the bit and the losses are compared with ==. GPUs reduce in another
+order (NCCL), so there the losses are compared with a relative tolerance of 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased
+from pytest_megatron_fsdp.fsdp import versions
+
+ITERS = 6
+GPU_RTOL = 1e-5
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class TwoBlockMLP(torch.nn.Module):
+    def __init__(self, width: int = 32, classes: int = 8) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(Block(width), Block(width))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TwoBlockMLP:
+    torch.manual_seed(seed)  # the same weights on every rank, and for the baseline
+    return TwoBlockMLP().to(dtype)
+
+
+def _batches(rank: int, dtype: torch.dtype = torch.float32):
+    """Each rank its own reproducible data: a learnable rule (class = argmax of a fixed projection)."""
+    projection = torch.randn(32, 8, generator=torch.Generator().manual_seed(99))
+
+    def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * rank + iteration)
+        x = torch.randn(16, 32, generator=g)
+        return x.to(dtype), (x @ projection).argmax(dim=1)
+
+    return batch
+
+
+def _loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).float(), y)
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _ddp_losses(dist_env, optimizer=_sgd) -> list[float]:
+    from pytest_megatron_fsdp.fsdp.fully_shard import train_with_torch_ddp
+
+    model = _model()
+    result = train_with_torch_ddp(model, optimizer(model), _batches(dist_env.rank), _loss, dist_env, ITERS)
+    return result.losses
+
+
+def _assert_same(actual: list[float], expected: list[float], platform: str, what: str) -> None:
+    assert len(actual) == len(expected) == ITERS
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
+        same = a == e if platform == "cpu" else math.isclose(a, e, rel_tol=GPU_RTOL)
+        assert same, f"{what}: iteration {i} loss {a!r} != torch DDP's {e!r}; all: {actual} vs {expected}"
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fully_shard_strategy_matches_torch_ddp(fully_shard_run, dist_env, strategy):
+    expected = _ddp_losses(dist_env)
+    model = _model()
+    run = fully_shard_run(
+        model,
+        _sgd(model),
+        _batches(dist_env.rank),
+        _loss,
+        zero_dp_strategy=strategy,
+        fsdp_unit_modules=[Block],
+    )
+    result = run.train(ITERS)
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
+    _assert_same(result.losses, expected, dist_env.platform, f"fully_shard {strategy}")
+    if strategy != "no_shard":  # each rank holds a part of the optimizer state, not all of it
+        local = sum(p.to_local().numel() for p in run.model.parameters())
+        assert local < sum(p.numel() for p in run.model.parameters())
+
+
+@pytest.mark.distributed(world_size=2)
+def test_fully_shard_adam_matches_torch_ddp(known_bug, fully_shard_run, dist_env):
+    """Adam: sensitive to the step count, which fully_shard_optimizer's eager state initialisation
+    advances by one (a step on zero gradients): the first real update is under-applied."""
+    known_bug(versions.FULLY_SHARD_EAGER_OPTIMIZER_STEP, raises=AssertionError)
+
+    def adam(model):
+        return torch.optim.Adam(model.parameters(), lr=3e-3)
+
+    expected = _ddp_losses(dist_env, adam)
+    model = _model()
+    run = fully_shard_run(model, adam(model), _batches(dist_env.rank), _loss, fsdp_unit_modules=[Block])
+    _assert_same(run.train(ITERS).losses, expected, dist_env.platform, "fully_shard Adam")
+
+
+@pytest.mark.distributed(world_size=2)
+def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env):
+    """bf16 compute and gradient communication, fp32 main weights and gradients (the policy
+    Megatron-FSDP recommends): trains, and stays within bf16's resolution of the fp32 run."""
+    from megatron_fsdp import MixedPrecisionPolicy
+
+    expected = _ddp_losses(dist_env)
+    policy = MixedPrecisionPolicy(
+        main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=torch.bfloat16
+    )
+    compute_dtypes = set()
+
+    def loss(model, batch):
+        x, y = batch
+        logits = model(x)
+        compute_dtypes.add(logits.dtype)
+        return F.cross_entropy(logits.float(), y)
+
+    model = _model(dtype=torch.bfloat16)
+    run = fully_shard_run(
+        model,
+        _sgd(model),
+        _batches(dist_env.rank, torch.bfloat16),
+        loss,
+        mixed_precision_policy=policy,
+        fsdp_unit_modules=[Block],
+    )
+    result = run.train(ITERS)
+    assert compute_dtypes == {torch.bfloat16}
+    # fp32 main weights: the optimizer steps the sharded fp32 copies
+    assert {p.dtype for group in run.optimizer.param_groups for p in group["params"]} == {torch.float32}
+    assert_last_loss_finite(result)
+    assert_loss_decreased(result)
+    for i, (a, e) in enumerate(zip(result.losses, expected, strict=True), start=1):
+        assert math.isclose(a, e, rel_tol=0.02), f"iteration {i}: bf16 {a} vs fp32 DDP {e}"
+
+
+@pytest.mark.distributed(world_size=4)
+def test_fully_shard_hsdp_on_four_ranks_matches_torch_ddp(fully_shard_run, dist_env):
+    """HSDP: 2 replicas (dp_outer) of a model fully sharded over 2 ranks each (dp_shard)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    expected = _ddp_losses(dist_env)
+    # fully_shard looks up a tensor-parallel sub-mesh even without TP: give it a trivial one.
+    mesh = init_device_mesh(
+        "cuda" if dist_env.platform == "cuda" else "cpu",
+        (2, 2, 1),
+        mesh_dim_names=("dp_outer", "dp_shard", "tp"),
+    )
+    model = _model()
+    run = fully_shard_run(
+        model,
+        _sgd(model),
+        _batches(dist_env.rank),
+        _loss,
+        fsdp_unit_modules=[Block],
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        dp_outer_dim="dp_outer",
+        tp_dim="tp",
+        hybrid_fsdp_group=dist.group.WORLD,
+        outer_dp_sharding_strategy="no_shard",
+    )
+    result = run.train(ITERS)
+    assert_loss_decreased(result)
+    # 4 ranks: (a+b+c+d)/4 against a sum of quarters; quarters are exact too, the order of the
+    # additions is not, so a few ulps.
+    for i, (a, e) in enumerate(zip(result.losses, expected, strict=True), start=1):
+        assert math.isclose(a, e, rel_tol=1e-6), f"iteration {i}: HSDP {a} vs torch DDP {e}"
