@@ -1,13 +1,40 @@
 # pytest-megatron-fsdp: `make smoke` (the functional suite on 2 ranks), `make test` (everything).
-# Both create the virtualenv when it is missing.
+# Both create the virtualenv of the chosen stack when it is missing.
 #
+# Stacks (STACK=newest|floor; default: newest when a Python 3.12 is found, else floor):
+#   newest  Python 3.12 (on PATH, else the newest pyenv 3.12), megatron-core 0.19.2, torch 2.14.1, megatron-fsdp
+#   floor   Python 3.11, megatron-core 0.16.1, the CPU torch 2.13.0
+# Gate your own Megatron-FSDP change: MEGATRON_CORE takes any pip requirement line, e.g.
+#   make smoke MEGATRON_CORE=/path/to/megatron_core-0.20.0-py3-none-any.whl
+#   make smoke MEGATRON_CORE="-e /path/to/Megatron-LM"
+#   make smoke MEGATRON_CORE="megatron-core>=0.19,<0.20"
 # On a GPU runner keep the container's torch:
-#   make smoke VENV_FLAGS=--system-site-packages TORCH_SPEC=
-PYTHON      ?= python3
-VENV        ?= .venv
+#   make smoke PYTHON=python3 VENV_FLAGS=--system-site-packages TORCH_SPEC=
+
+# A Python 3.12 that runs (pyenv's shim on PATH refuses unless that version is selected).
+PYTHON312 := $(shell for p in python3.12 $$(ls -d $$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)/versions/3.12*/bin/python3.12 2>/dev/null | sort -rV); do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+PYTHON311 := $(shell for p in python3.11 python3; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
+
+STACK ?= $(if $(PYTHON312),newest,floor)
+ifeq ($(STACK),newest)
+PYTHON        ?= $(PYTHON312)
+# The registry's only torch for Python 3.12 is the CUDA build (~5.5 GB venv); it runs on CPU too.
+TORCH_SPEC    ?= torch==2.14.1
+MEGATRON_CORE ?= megatron-core==0.19.2
+EXTRAS        ?= dev,fully-shard
+else ifeq ($(STACK),floor)
+PYTHON        ?= $(PYTHON311)
+# The CPU build of torch (a wheel on disk on these machines).
+TORCH_SPEC    ?= torch==2.13.0
+MEGATRON_CORE ?= megatron-core==0.16.1
+EXTRAS        ?= dev
+else
+$(error STACK=$(STACK): choose newest or floor)
+endif
+VENV        ?= .venv-$(STACK)
 VENV_FLAGS  ?=
-# The CPU build of torch on machines without GPUs; empty = use whatever torch is importable.
-TORCH_SPEC  ?= torch==2.13.0
 NPROC       ?= 2
 PYTEST_ARGS ?=
 
@@ -15,30 +42,48 @@ PY       := $(VENV)/bin/python
 # torchrun leaves a torchelastic_* dir in $$TMPDIR on every run: give it one that is removed after.
 TORCHRUN := scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && TMPDIR=$$scratch \
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
+# What the venv was built from: a change of any of these rebuilds the installs.
+SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) extras=$(EXTRAS) flags=$(VENV_FLAGS)
 
-.PHONY: venv smoke test unit lint clean
+.PHONY: venv smoke test unit functional lint stack clean
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $@
+venv:
+	@test -n "$(PYTHON)" || { echo "make: no Python for STACK=$(STACK) (newest needs 3.12, floor 3.11); set PYTHON=..." >&2; exit 2; }
+	@if [ "$$(cat $(VENV)/.installed 2>/dev/null)" != "$(SPEC)" ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
+		set -e; echo "make: building $(VENV) ($(SPEC))"; \
+		test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV); \
+		$(PY) -m pip install -q --upgrade pip; \
+		if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi; \
+		echo '$(MEGATRON_CORE)' > $(VENV)/megatron-core.txt; \
+		$(PY) -m pip install -q -r $(VENV)/megatron-core.txt; \
+		$(PY) -m pip install -q -e '.[$(EXTRAS)]'; \
+		echo '$(SPEC)' > $(VENV)/.installed; \
+	fi
+	@$(MAKE) --no-print-directory stack
 
-venv: $(VENV)/.installed
+# One line naming the stack under test (the plugin's header says the same per session).
+stack:
+	@$(PY) -c "from pytest_megatron_fsdp.fsdp.versions import stack_description as d; print('stack: $(STACK) (' + d() + ')')"
 
 # The main job: the functional suite on 2 ranks (GPUs over NCCL when there are 2, else CPU ranks).
 smoke: venv
 	$(TORCHRUN) -m pytest tests/functional -v $(PYTEST_ARGS)
 
-# Everything the repo tests, as plain pytest (the plugin launches the 2-rank sets itself), then the
+# Everything the repo tests, as plain pytest (the plugin launches the rank sets itself), then the
 # seed's smoke test once more under torchrun, the way GPU runners launch it.
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(TORCHRUN) -m pytest tests/functional/test_megatron_fsdp.py $(PYTEST_ARGS)
+
+unit: venv
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+functional: venv
+	$(PY) -m pytest tests/functional $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache *.egg-info
+	rm -rf .venv-newest .venv-floor .pytest_cache *.egg-info

@@ -2,7 +2,7 @@
 
 Run on 2 ranks (CPU ranks over gloo here, GPUs over NCCL where there are two)::
 
-    .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 bench/bench_checkpoint.py
+    .venv-newest/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 bench/bench_checkpoint.py
 
 Both sides save and load the same fsdp_dtensor state dict (model DTensors, the optimizer's
 fsdp_dtensor state, per-rank RNG state); the plugin adds what makes it safe: config validation,
