@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import versions
-from .presets import ModelPreset, get_preset
+from .presets import ModelPreset, TrainingRecipe, get_preset
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 CKPT_FORMATS = ("fsdp_dtensor", "torch_dist", "torch", "zarr")
@@ -23,6 +24,14 @@ CKPT_FORMATS = ("fsdp_dtensor", "torch_dist", "torch", "zarr")
 ASYNC_CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
 BACKENDS = ("nccl", "gloo")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+#: HSDP's outer data-parallel strategy (megatron's DistributedDataParallelConfig)
+OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
+OPTIMIZERS = ("adam", "sgd")
+#: OptimizerParamScheduler's
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 
 class ConfigError(ValueError):
@@ -74,14 +83,43 @@ class DDPSection:
 
 @dataclass
 class OptimizerSection:
+    """Bridge's ``cfg.optimizer`` (megatron's ``OptimizerConfig``). None: the preset's recipe
+    (``fsdp.presets.TrainingRecipe``)."""
+
     optimizer: str = "adam"
-    lr: float | None = None  # None: the preset's
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    lr: float | None = None
+    min_lr: float | None = None
+    weight_decay: float | None = None
+    #: clip the global gradient norm to this (0: no clipping); applied on every platform
+    clip_grad: float | None = None
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
+    adam_eps: float | None = None
+
+
+@dataclass
+class SchedulerSection:
+    """Bridge's ``cfg.scheduler``: Megatron's ``OptimizerParamScheduler``, stepped once per
+    iteration by the global batch size (its steps count samples, as in Bridge). None: the preset's
+    recipe (``fsdp.presets.TrainingRecipe``)."""
+
+    #: constant, linear, cosine, inverse-square-root or WSD
+    lr_decay_style: str | None = None
+    #: None: train.train_iters
+    lr_decay_iters: int | None = None
+    lr_warmup_iters: int | None = None
+    lr_warmup_fraction: float | None = None
+    lr_warmup_init: float | None = None
+    #: None: optimizer.weight_decay
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    #: constant, linear or cosine
+    weight_decay_incr_style: str | None = None
+    #: linear, cosine, exponential or minus_sqrt (the WSD schedule's annealing)
+    lr_wsd_decay_style: str | None = None
+    lr_wsd_decay_iters: int | None = None
+    override_opt_param_scheduler: bool | None = None
+    use_checkpoint_opt_param_scheduler: bool | None = None
 
 
 @dataclass
@@ -115,8 +153,8 @@ class ModelSection:
 class TrainSection:
     train_iters: int = 10
     micro_batch_size: int | None = None  # None: the preset's
-    #: micro-batches per rank per step (gradient accumulation)
-    num_microbatches: int = 1
+    #: micro-batches per rank per step (gradient accumulation); None: the preset's
+    num_microbatches: int | None = None
     #: None: micro_batch_size * num_microbatches * data-parallel size; if set, it must equal that
     global_batch_size: int | None = None
     seq_length: int | None = None  # None: the preset's
@@ -195,6 +233,7 @@ class RunConfig:
     dist: DistSection = field(default_factory=DistSection)
     ddp: DDPSection = field(default_factory=DDPSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -205,20 +244,29 @@ class RunConfig:
     def resolved_preset(self) -> ModelPreset:
         """The model preset with this config's overrides applied."""
         preset = get_preset(self.model.preset)
-        preset_fields = {f.name for f in dataclasses.fields(ModelPreset)}
+        preset_fields = _PRESET_OVERRIDABLE
         changes = {k: v for k, v in self.model.overrides.items() if k in preset_fields}
         extra = {k: v for k, v in self.model.overrides.items() if k not in preset_fields}
         if self.model.bf16 is not None:
             changes["bf16"] = self.model.bf16
-        if self.train.seq_length is not None:
-            changes["seq_length"] = self.train.seq_length
-        if self.train.micro_batch_size is not None:
-            changes["micro_batch_size"] = self.train.micro_batch_size
-        if self.optimizer.lr is not None:
-            changes["lr"] = self.optimizer.lr
+        for name in ("seq_length", "micro_batch_size", "num_microbatches"):
+            if getattr(self.train, name) is not None:
+                changes[name] = getattr(self.train, name)
         if extra:
             changes["transformer_overrides"] = {**preset.transformer_overrides, **extra}
+        changes["recipe"] = self.resolved_recipe(preset.recipe)
         return preset.with_overrides(**changes)
+
+    def resolved_recipe(self, base: TrainingRecipe | None = None) -> TrainingRecipe:
+        """The optimizer and schedule this config trains with: the preset's recipe (or ``base``)
+        with every ``optimizer.*`` / ``scheduler.*`` field this config sets."""
+        recipe = get_preset(self.model.preset).recipe if base is None else base
+        changes = {
+            name: getattr(getattr(self, section), name)
+            for name, section in RECIPE_FIELDS.items()
+            if getattr(getattr(self, section), name) is not None
+        }
+        return dataclasses.replace(recipe, **changes)
 
     @property
     def model_parallel_size(self) -> int:
@@ -263,7 +311,7 @@ class RunConfig:
             bucket, megatron_class = free_form[section_name]
             allowed = set(versions.megatron_config_fields(megatron_class) or ())
             if section_name == "model":
-                allowed |= {f.name for f in dataclasses.fields(ModelPreset)}
+                allowed |= _PRESET_OVERRIDABLE
             if allowed and name not in allowed:
                 raise ConfigError(
                     f"unknown config field {dotted!r}: not a field of {section_name} nor of megatron-core "
@@ -284,7 +332,18 @@ class RunConfig:
         self.set(dotted.strip(), value.strip())
 
 
-_SECTIONS = ("dist", "ddp", "optimizer", "checkpoint", "model", "train")
+_SECTIONS = ("dist", "ddp", "optimizer", "scheduler", "checkpoint", "model", "train")
+#: preset fields a ``model.<name>`` override may change (the recipe has its own sections)
+_PRESET_OVERRIDABLE = frozenset(
+    f.name
+    for f in dataclasses.fields(ModelPreset)
+    if f.name not in ("recipe", "transformer_overrides", "name")
+)
+#: recipe field -> the config section that carries it
+RECIPE_FIELDS: dict[str, str] = {
+    f.name: ("optimizer" if f.name in {g.name for g in dataclasses.fields(OptimizerSection)} else "scheduler")
+    for f in dataclasses.fields(TrainingRecipe)
+}
 
 
 PURPOSES = ("build", "save", "load")
@@ -352,11 +411,14 @@ def validate(
             "alike (enable_megatron_fsdp(cfg) sets them together)"
         )
     saving = purpose != "build" or bool(cfg.checkpoint.save or cfg.checkpoint.load)
-    if fsdp and saving and cfg.checkpoint.ckpt_format != "fsdp_dtensor":
+    if fsdp and cfg.checkpoint.ckpt_format != "fsdp_dtensor":
+        # Megatron-LM's arguments.py refuses it whether or not anything is saved (Bridge only when
+        # checkpoint.save/load is set): a run that cannot checkpoint is not the run being gated.
         raise ConfigError(
-            f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r} with checkpoint.save/load set: "
-            "Megatron FSDP only supports fsdp_dtensor checkpoint format; "
-            "set checkpoint.ckpt_format='fsdp_dtensor' (fix_checkpoint_format(cfg) does it for torch_dist)"
+            f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r} with Megatron-FSDP: "
+            "Megatron FSDP only supports fsdp_dtensor checkpoint format (refused even when nothing is "
+            "saved, as Megatron-LM does); set checkpoint.ckpt_format='fsdp_dtensor' "
+            "(fix_checkpoint_format(cfg) does it for torch_dist)"
         )
     if saving and cfg.checkpoint.ckpt_format == "fsdp_dtensor" and (not fsdp or cfg.dist.use_torch_fsdp2):
         which = "dist.use_torch_fsdp2=True" if cfg.dist.use_torch_fsdp2 else "dist.use_megatron_fsdp=False"
@@ -422,18 +484,17 @@ def validate(
             f"pipeline={model.pipeline_model_parallel_size}, context={model.context_parallel_size}): "
             "choose sizes whose product divides the world size"
         )
-    if cfg.train.train_iters < 1:
-        raise ConfigError(f"train.train_iters={cfg.train.train_iters} must be at least 1")
-    if cfg.train.num_microbatches < 1:
-        raise ConfigError(f"train.num_microbatches={cfg.train.num_microbatches} must be at least 1")
+    _check_values(cfg)
+    preset = cfg.resolved_preset()
+    _check_recipe(cfg, preset)
     if world_size is not None and cfg.train.global_batch_size is not None:
-        micro = cfg.train.micro_batch_size or get_preset(model.preset).micro_batch_size
+        micro, micro_batches = preset.micro_batch_size, preset.num_microbatches
         dp = world_size // cfg.model_parallel_size
-        expected = micro * cfg.train.num_microbatches * dp
+        expected = micro * micro_batches * dp
         if cfg.train.global_batch_size != expected:
             raise ConfigError(
                 f"train.global_batch_size={cfg.train.global_batch_size} != micro_batch_size {micro} * "
-                f"num_microbatches {cfg.train.num_microbatches} * data-parallel size {dp} = {expected}: "
+                f"num_microbatches {micro_batches} * data-parallel size {dp} = {expected}: "
                 "set train.global_batch_size=None or adjust train.num_microbatches"
             )
     if fsdp and cfg.ddp.average_in_collective:
@@ -486,14 +547,164 @@ def validate(
     return warnings
 
 
+def _choice(dotted: str, value: Any, choices: tuple[str, ...], none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if value not in choices:
+        raise ConfigError(
+            f"{dotted}={value!r} is unknown; choose one of: {', '.join(choices)}"
+            + (" (or None)" if none_ok else "")
+        )
+
+
+def _at_least(dotted: str, value: Any, minimum: float, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    _at_least_shown(f"{dotted}={value!r}", value, minimum)
+
+
+def _check_values(cfg: RunConfig) -> None:
+    """Each field on its own: choices and ranges (no rank, no other field needed)."""
+    ddp, model, train = cfg.ddp, cfg.model, cfg.train
+    _choice("ddp.outer_dp_sharding_strategy", ddp.outer_dp_sharding_strategy, OUTER_SHARDING_STRATEGIES)
+    _at_least("ddp.bucket_size", ddp.bucket_size, 1, none_ok=True)
+    _at_least("ddp.num_distributed_optimizer_instances", ddp.num_distributed_optimizer_instances, 1)
+    _at_least("ddp.suggested_communication_unit_size", ddp.suggested_communication_unit_size, 1, none_ok=True)
+    _choice("model.recompute_method", model.recompute_method, RECOMPUTE_METHODS, none_ok=True)
+    _at_least("model.recompute_num_layers", model.recompute_num_layers, 1, none_ok=True)
+    _at_least("model.cpu_offloading_num_layers", model.cpu_offloading_num_layers, 0)
+    # megatron's TransformerConfig asserts these when the model is built
+    if model.recompute_granularity == "full" and model.recompute_method is None:
+        raise ConfigError(
+            "model.recompute_granularity='full' with model.recompute_method=None: full recomputation "
+            "needs a method; set model.recompute_method='uniform' or 'block'"
+        )
+    if model.recompute_granularity == "full" and model.recompute_num_layers is None:
+        raise ConfigError(
+            "model.recompute_granularity='full' with model.recompute_num_layers=None: full recomputation "
+            "needs a layer count; set model.recompute_num_layers (1 up to the layers per pipeline rank)"
+        )
+    if model.recompute_granularity == "selective" and model.recompute_num_layers is not None:
+        raise ConfigError(
+            f"model.recompute_granularity='selective' with model.recompute_num_layers="
+            f"{model.recompute_num_layers!r}: selective recomputation takes no layer count; set "
+            "model.recompute_num_layers=None"
+        )
+    for name in ("train_iters", "num_microbatches", "micro_batch_size", "seq_length", "global_batch_size"):
+        _at_least(f"train.{name}", getattr(train, name), 1, none_ok=name != "train_iters")
+    _at_least("train.seed", train.seed, 0)
+    _choice("optimizer.optimizer", cfg.optimizer.optimizer, OPTIMIZERS)
+
+
+def _check_recipe(cfg: RunConfig, preset: ModelPreset) -> None:
+    """The optimizer and schedule (what Megatron's OptimizerConfig and OptimizerParamScheduler
+    assert, and Bridge's SchedulerConfig), on the values the run will use: set here or the preset's."""
+    r = preset.recipe
+
+    def show(field_name: str, value: Any = None) -> str:
+        """``section.field=value``, saying when the value is the preset's rather than the config's."""
+        section = RECIPE_FIELDS[field_name]
+        given = getattr(getattr(cfg, section), field_name) is not None
+        value = getattr(r, field_name) if value is None else value
+        return f"{section}.{field_name}={value!r}" + ("" if given else f" (the {preset.name} preset's)")
+
+    def fail(problem: str) -> None:
+        raise ConfigError(problem)
+
+    for field_name in ("lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_init", "lr_warmup_iters"):
+        _at_least_shown(show(field_name), getattr(r, field_name), 0)
+    for field_name in ("start_weight_decay", "end_weight_decay"):
+        if getattr(r, field_name) is not None:
+            _at_least_shown(show(field_name), getattr(r, field_name), 0)
+    for field_name in ("lr_decay_iters", "lr_wsd_decay_iters"):
+        if getattr(r, field_name) is not None:
+            _at_least_shown(show(field_name), getattr(r, field_name), 1)
+    for field_name in ("adam_beta1", "adam_beta2"):
+        _at_least_shown(show(field_name), getattr(r, field_name), 0)
+        if getattr(r, field_name) >= 1:
+            fail(f"{show(field_name)} must be below 1 (a decay rate in [0, 1))")
+    if not (_is_number(r.adam_eps) and r.adam_eps > 0):
+        fail(f"{show('adam_eps')} must be a positive number")
+    for field_name, choices in (
+        ("lr_decay_style", LR_DECAY_STYLES),
+        ("weight_decay_incr_style", WD_INCR_STYLES),
+        ("lr_wsd_decay_style", WSD_DECAY_STYLES),
+    ):
+        if getattr(r, field_name) not in choices:
+            fail(f"{show(field_name)} is unknown; choose one of: {', '.join(choices)}")
+    if r.min_lr > r.lr:
+        fail(
+            f"{show('min_lr')} is above {show('lr')}: the schedule decays from lr down to min_lr; "
+            "lower optimizer.min_lr (e.g. to 0)"
+        )
+    if r.lr_warmup_init > r.lr:
+        fail(
+            f"{show('lr_warmup_init')} is above {show('lr')}: warm-up rises from lr_warmup_init to lr; "
+            "lower scheduler.lr_warmup_init"
+        )
+    if r.lr_warmup_fraction is not None:
+        if not (_is_number(r.lr_warmup_fraction) and 0 <= r.lr_warmup_fraction < 1):
+            fail(f"{show('lr_warmup_fraction')} must be in [0, 1), or None")
+        if r.lr_warmup_iters:
+            fail(
+                f"{show('lr_warmup_fraction')} and {show('lr_warmup_iters')}: give only one of them; "
+                "set scheduler.lr_warmup_iters=0 or scheduler.lr_warmup_fraction=None"
+            )
+    elif r.lr_decay_iters is not None and r.lr_warmup_iters >= r.lr_decay_iters:
+        fail(
+            f"{show('lr_warmup_iters')} is not below {show('lr_decay_iters')}: Megatron's scheduler warms "
+            "up before it decays; lower scheduler.lr_warmup_iters or raise scheduler.lr_decay_iters"
+        )
+    elif r.lr_decay_iters is None and r.lr_warmup_iters >= cfg.train.train_iters:
+        fail(
+            f"{show('lr_warmup_iters')} is not below train.train_iters={cfg.train.train_iters} (the decay "
+            "iterations when scheduler.lr_decay_iters is None): Megatron's scheduler warms up before it "
+            "decays; lower scheduler.lr_warmup_iters or set scheduler.lr_decay_iters"
+        )
+    if r.lr_decay_style == "WSD" and r.lr_wsd_decay_iters is None:
+        fail(
+            f"{show('lr_decay_style')} needs scheduler.lr_wsd_decay_iters (the annealing iterations): "
+            "set it, or choose another scheduler.lr_decay_style"
+        )
+    start_wd = r.weight_decay if r.start_weight_decay is None else r.start_weight_decay
+    end_wd = r.weight_decay if r.end_weight_decay is None else r.end_weight_decay
+    if end_wd < start_wd:
+        fail(
+            f"{show('end_weight_decay', end_wd)} is below {show('start_weight_decay', start_wd)}: weight "
+            "decay only increases over a run; swap them or make them equal"
+        )
+    if r.weight_decay_incr_style == "constant" and start_wd != end_wd:
+        fail(
+            f"{show('weight_decay_incr_style')} with {show('start_weight_decay', start_wd)} != "
+            f"{show('end_weight_decay', end_wd)}: make them equal or set "
+            "scheduler.weight_decay_incr_style='linear' or 'cosine'"
+        )
+    if r.override_opt_param_scheduler and r.use_checkpoint_opt_param_scheduler:
+        fail(
+            f"{show('override_opt_param_scheduler')} and {show('use_checkpoint_opt_param_scheduler')} "
+            "exclude each other (the schedule comes from the config or from the checkpoint): set one False"
+        )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _at_least_shown(shown: str, value: Any, minimum: float) -> None:
+    """``shown`` is ``section.field=value`` already."""
+    if not _is_number(value):
+        raise ConfigError(f"{shown} must be a finite number")
+    if value < minimum:
+        raise ConfigError(f"{shown} must be at least {minimum:g}")
+
+
 def _check_megatron_field_names(cfg: RunConfig) -> None:
     """Free-form fields (``ddp.extra``, ``model.overrides``, the preset's transformer overrides)
     must exist on the installed megatron-core's dataclasses: a typo must not pass silently."""
     ddp_class = (
         "TorchFullyShardedDataParallelConfig" if cfg.dist.use_torch_fsdp2 else "DistributedDataParallelConfig"
     )
-    preset_fields = {f.name for f in dataclasses.fields(ModelPreset)}
-    transformer = {k for k in cfg.model.overrides if k not in preset_fields}
+    transformer = {k for k in cfg.model.overrides if k not in _PRESET_OVERRIDABLE}
     transformer |= set(get_preset(cfg.model.preset).transformer_overrides)
     for section, given, class_name in (
         ("ddp", set(cfg.ddp.extra), ddp_class),
@@ -527,15 +738,15 @@ def disable_megatron_fsdp(cfg: RunConfig) -> RunConfig:
 
 
 def fix_checkpoint_format(cfg: RunConfig) -> str | None:
-    """The seed's recipe pitfall: with Megatron-FSDP and save/load on, a recipe that still says
-    ``torch_dist`` is switched to ``fsdp_dtensor``. Returns the message (None: nothing changed)."""
-    if cfg.uses_megatron_fsdp and (cfg.checkpoint.save or cfg.checkpoint.load):
-        if cfg.checkpoint.ckpt_format == "torch_dist":
-            cfg.checkpoint.ckpt_format = "fsdp_dtensor"
-            return (
-                "checkpoint.ckpt_format='torch_dist' -> 'fsdp_dtensor': Megatron FSDP only supports "
-                "fsdp_dtensor checkpoints and checkpoint.save/load is set (recipes default to torch_dist)"
-            )
+    """The seed's recipe pitfall: with Megatron-FSDP on, a recipe that still says ``torch_dist`` is
+    switched to ``fsdp_dtensor`` (validate() refuses any other format with Megatron-FSDP, whether or
+    not checkpoint.save/load is set). Returns the message (None: nothing changed)."""
+    if cfg.uses_megatron_fsdp and cfg.checkpoint.ckpt_format == "torch_dist":
+        cfg.checkpoint.ckpt_format = "fsdp_dtensor"
+        return (
+            "checkpoint.ckpt_format='torch_dist' -> 'fsdp_dtensor': Megatron FSDP only supports "
+            "fsdp_dtensor checkpoints (recipes default to torch_dist)"
+        )
     return None
 
 

@@ -20,6 +20,7 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
@@ -95,24 +96,68 @@ def _uses_distributed_optimizer(cfg: RunConfig, env: DistEnv) -> bool:
 
 
 def optimizer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> OptimizerConfig:
-    o = cfg.optimizer
-    clip_grad = o.clip_grad
-    if env.platform == "cpu":
-        # clip_grad_by_total_norm_fp32 asserts param.grad.type() == 'torch.cuda.FloatTensor'; the
-        # grad norm itself is still computed and reported on CPU ranks.
-        clip_grad = 0.0
+    """Megatron's ``OptimizerConfig`` from the preset's recipe and the config's ``optimizer.*``.
+
+    Clipping (``clip_grad``) applies on every platform: on CPU ranks the CUDA-on-CPU emulation
+    answers the one CUDA type check Megatron's clip makes (see ``harness/cuda_emulation.py``).
+    """
+    r = preset.recipe
     return OptimizerConfig(
-        optimizer=o.optimizer,
-        lr=preset.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=clip_grad,
+        optimizer=cfg.optimizer.optimizer,
+        lr=r.lr,
+        min_lr=r.min_lr,
+        weight_decay=r.weight_decay,
+        adam_beta1=r.adam_beta1,
+        adam_beta2=r.adam_beta2,
+        adam_eps=r.adam_eps,
+        clip_grad=r.clip_grad,
         bf16=preset.bf16,
         params_dtype=torch.bfloat16 if preset.bf16 else torch.float32,
         use_distributed_optimizer=_uses_distributed_optimizer(cfg, env),
+    )
+
+
+class RunScheduler(OptimizerParamScheduler):
+    """Megatron's ``OptimizerParamScheduler``; a load replaces the position instead of adding to it.
+
+    Megatron's ``load_state_dict`` advances by the checkpoint's ``num_steps`` from wherever the
+    scheduler stands (Megatron-LM only loads into a fresh one); a test may load into a run that
+    has already trained, which must then continue from the checkpoint's position, not beyond it.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.num_steps = 0
+        super().load_state_dict(state_dict)
+
+
+def build_scheduler(
+    cfg: RunConfig, preset: ModelPreset, optimizer: Any, global_batch_size: int
+) -> RunScheduler:
+    """Bridge's ``_get_scheduler``: steps count samples (iterations x global batch size)."""
+    r = preset.recipe
+    decay_steps = (r.lr_decay_iters or cfg.train.train_iters) * global_batch_size
+    if r.lr_warmup_fraction is not None:
+        warmup_steps = r.lr_warmup_fraction * decay_steps
+    else:
+        warmup_steps = r.lr_warmup_iters * global_batch_size
+    start_wd = r.weight_decay if r.start_weight_decay is None else r.start_weight_decay
+    end_wd = r.weight_decay if r.end_weight_decay is None else r.end_weight_decay
+    return RunScheduler(
+        optimizer,
+        init_lr=r.lr_warmup_init,
+        max_lr=r.lr,
+        min_lr=r.min_lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=r.lr_decay_style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=cfg.train.train_iters * global_batch_size,
+        wd_incr_style=r.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=r.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=r.override_opt_param_scheduler,
+        wsd_decay_steps=None if r.lr_wsd_decay_iters is None else r.lr_wsd_decay_iters * global_batch_size,
+        lr_wsd_decay_style=r.lr_wsd_decay_style,
     )
 
 

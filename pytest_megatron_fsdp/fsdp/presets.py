@@ -1,5 +1,6 @@
 """Model presets: the tiny CPU default and the Megatron-Bridge reference model (the model of
-Bridge's ``tests/functional_tests/test_groups/megatron_fsdp/test_megatron_fsdp.py``).
+Bridge's ``tests/functional_tests/training/test_megatron_fsdp.py``), each with the optimizer and
+learning-rate schedule it trains with.
 
 Plain data, no torch import: the plugin validates ``--mfsdp-preset`` against these names at start-up.
 """
@@ -8,6 +9,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """How a preset trains, in Bridge's field names: ``OptimizerConfig``'s (``lr`` ... ``adam_eps``)
+    and ``SchedulerConfig``'s (the rest, Megatron's ``OptimizerParamScheduler``).
+
+    A run config's ``optimizer.<field>`` / ``scheduler.<field>`` left at None takes the value here.
+    The defaults are the harness's plain schedule: a constant learning rate, no warm-up.
+    """
+
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    #: the global gradient norm is clipped to this (0: no clipping; the norm is measured either way)
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    lr_decay_style: str = "constant"
+    #: None: ``train.train_iters``
+    lr_decay_iters: int | None = None
+    lr_warmup_iters: int = 0
+    #: a fraction of the decay iterations instead of ``lr_warmup_iters`` (not both)
+    lr_warmup_fraction: float | None = None
+    lr_warmup_init: float = 0.0
+    #: None: ``weight_decay`` (Megatron-LM's default)
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    lr_wsd_decay_style: str = "exponential"
+    #: the annealing iterations of the WSD schedule (needed with ``lr_decay_style='WSD'``)
+    lr_wsd_decay_iters: int | None = None
+    #: on load: take the schedule from the config, not from the checkpoint
+    override_opt_param_scheduler: bool = False
+    #: on load: take the schedule from the checkpoint, not from the config
+    use_checkpoint_opt_param_scheduler: bool = False
 
 
 @dataclass(frozen=True)
@@ -30,10 +68,17 @@ class ModelPreset:
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
     bf16: bool = False
-    lr: float = 1e-3
     micro_batch_size: int = 2
+    #: micro-batches per rank per optimizer step (gradient accumulation), unless the config says
+    num_microbatches: int = 1
+    #: the batches it trains on: "counting" (counting sequences from random offsets, learnable in a
+    #: few steps by a small vocabulary) or "mock-gpt" (Megatron's mock GPT documents, as Bridge's
+    #: functional test trains; see fsdp.training)
+    data: str = "counting"
     #: extra TransformerConfig fields
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
+    #: the optimizer and learning-rate schedule
+    recipe: TrainingRecipe = field(default_factory=TrainingRecipe)
 
     def with_overrides(self, **changes: Any) -> ModelPreset:
         return replace(self, **changes)
@@ -55,8 +100,11 @@ PRESETS: dict[str, ModelPreset] = {
         num_query_groups=4,
         vocab_size=128,
         seq_length=32,
-        lr=1e-3,
         micro_batch_size=2,
+        # Constant lr 1e-3 without clipping: the strategy-parity tests compare its fp32 losses with
+        # Megatron DDP's bit for bit, and a clip coefficient computed from a norm that the two
+        # wrappers sum in a different order differs in the last bits (set optimizer.clip_grad to clip).
+        recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),
     ),
     "bridge-reference": ModelPreset(
         name="bridge-reference",
@@ -78,8 +126,28 @@ PRESETS: dict[str, ModelPreset] = {
         add_bias_linear=False,
         untie_embeddings_and_output_weights=True,
         bf16=True,
-        lr=3e-3,
         micro_batch_size=1,
+        # Bridge's global batch of 8 on its 2 GPUs: micro-batch 1 x 4 micro-batches x 2 ranks
+        num_microbatches=4,
+        data="mock-gpt",
+        transformer_overrides={"init_method_std": 0.01, "layernorm_epsilon": 1e-5},
+        # Bridge's create_base_optimizer_config / create_base_scheduler_config: Adam, lr 3e-3 with
+        # 2 warm-up iterations from 0 and cosine decay to 1e-6 over the run, clipping at 1.0; the
+        # scheduler applies weight decay 0.033 (optimizer.weight_decay=0.01 is overridden by it).
+        recipe=TrainingRecipe(
+            lr=3e-3,
+            min_lr=1e-6,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            adam_eps=1e-5,
+            lr_decay_style="cosine",
+            lr_warmup_iters=2,
+            lr_warmup_init=0.0,
+            start_weight_decay=0.033,
+            end_weight_decay=0.033,
+            weight_decay_incr_style="constant",
+            override_opt_param_scheduler=True,
+        ),
     ),
 }
 

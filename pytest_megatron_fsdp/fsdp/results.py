@@ -15,6 +15,10 @@ class TrainResult:
     local_losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
+    #: the learning rate each iteration's optimizer step used
+    learning_rates: list[float] = field(default_factory=list)
+    #: the run's iteration number of the first entry (a run's second train() continues its count)
+    first_iteration: int = 1
 
     @property
     def last_loss(self) -> float:

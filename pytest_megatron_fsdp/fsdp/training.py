@@ -53,6 +53,45 @@ def learnable_batch(
     }
 
 
+#: MockGPTLowLevelDataset's document lengths: uniform in [1, MOCK_MAX_DOCUMENT_LENGTH)
+MOCK_MAX_DOCUMENT_LENGTH = 4096
+
+
+def mock_gpt_batch(
+    preset: ModelPreset, micro_batch_size: int, generator: torch.Generator, device: str
+) -> dict[str, torch.Tensor]:
+    """Windows of Megatron's mock GPT data, which Bridge's functional test trains on
+    (``MockGPTDatasetConfig``): documents ``1, 2, ..., L-1, <eod>`` (``MockGPTLowLevelDataset``,
+    ``L`` uniform in [1, 4096), the end-of-document token being NullTokenizer's ``vocab_size``),
+    packed back to back. Each window starts at a random point of a random document; every draw
+    comes from ``generator``, so the stream's position is the generator's state."""
+    seq = preset.seq_length
+    rows = []
+    for _ in range(micro_batch_size):
+        pieces, have = [], 0
+        while have < seq + 1:
+            length = int(torch.randint(1, MOCK_MAX_DOCUMENT_LENGTH, (1,), generator=generator))
+            document = torch.cat(
+                [(torch.arange(length - 1) + 1) % preset.vocab_size, torch.tensor([preset.vocab_size])]
+            )
+            if not pieces:  # the window starts somewhere inside its first document
+                document = document[int(torch.randint(0, length, (1,), generator=generator)) :]
+            pieces.append(document)
+            have += len(document)
+        rows.append(torch.cat(pieces)[: seq + 1])
+    tokens = torch.stack(rows)
+    return {
+        "tokens": tokens[:, :-1].contiguous().to(device),
+        "labels": tokens[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(micro_batch_size, seq, device=device),
+        "position_ids": torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch_size, -1),
+    }
+
+
+#: ModelPreset.data -> the batches a run of it trains on
+DATA_STREAMS = {"counting": learnable_batch, "mock-gpt": mock_gpt_batch}
+
+
 class TrainingRun:
     """A Megatron-FSDP model, its DistributedOptimizer and a data stream, ready to train."""
 
@@ -82,6 +121,12 @@ class TrainingRun:
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
+        p = self.preset
+        dp = env.world_size // cfg.model_parallel_size
+        #: samples per optimizer step over all data-parallel ranks (the scheduler counts samples)
+        self.global_batch_size = p.micro_batch_size * p.num_microbatches * dp
+        #: Megatron's OptimizerParamScheduler, as Bridge builds it; its state is checkpointed
+        self.scheduler = model_builder.build_scheduler(cfg, p, self.optimizer, self.global_batch_size)
         self.iteration = 0
         # Each data-parallel rank draws its own samples, reproducibly.
         self._generator = torch.Generator().manual_seed(
@@ -90,7 +135,9 @@ class TrainingRun:
 
     def _data(self, count: int) -> Iterator[dict[str, torch.Tensor]]:
         for _ in range(count):
-            yield learnable_batch(self.preset, self.preset.micro_batch_size, self._generator, self.env.device)
+            yield DATA_STREAMS[self.preset.data](
+                self.preset, self.preset.micro_batch_size, self._generator, self.env.device
+            )
 
     def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
         batch = next(data_iterator)
@@ -106,7 +153,7 @@ class TrainingRun:
         return output, loss_func
 
     def _forward_backward(self, forward_only: bool) -> float:
-        n = self.cfg.train.num_microbatches
+        n = self.preset.num_microbatches
         outputs = get_forward_backward_func()(
             forward_step_func=self._forward_step,
             data_iterator=self._data(n),
@@ -118,18 +165,25 @@ class TrainingRun:
         )
         return sum(float(o["lm loss"]) for o in outputs) / n
 
-    def _optimizer_step(self) -> float:
-        if self.env.platform == "cuda":
-            _, grad_norm, _ = self.optimizer.step()
-            return float("nan") if grad_norm is None else float(grad_norm)
-        # CPU ranks run without clipping (see optimizer_config); step() then reports no norm, so
-        # run its phases here and measure the norm in between, as step() does before clipping.
+    def _optimizer_step(self) -> tuple[bool, float]:
+        """Megatron's optimizer step: (whether the update happened, the global grad norm)."""
+        if self.optimizer.config.clip_grad > 0:
+            # Megatron's own step: grads prepared (inf/nan found -> no update), norm measured and
+            # the gradients clipped to it, then the update.
+            success, grad_norm, _ = self.optimizer.step()
+            return bool(success), float("nan") if grad_norm is None else float(grad_norm)
+        # Without clipping Megatron's step() measures no norm: run its phases here and measure the
+        # norm in between, where step() would clip.
         with torch.no_grad():
-            if self.optimizer.prepare_grads():  # found inf/nan: step skipped, as step() does
-                return float("nan")
+            if self.optimizer.prepare_grads():  # found inf/nan: no update, as step() does
+                return False, float("nan")
             grad_norm = self.optimizer.get_grad_norm()
-            self.optimizer.step_with_ready_grads()
-        return float(grad_norm)
+            success = self.optimizer.step_with_ready_grads()
+        return bool(success), float(grad_norm)
+
+    def learning_rate(self) -> float:
+        """The learning rate the next optimizer step uses (the scheduler sets every group's)."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def _data_parallel_mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.env.device)
@@ -139,26 +193,32 @@ class TrainingRun:
 
     def train(self, iterations: int | None = None) -> TrainResult:
         """Train ``iterations`` steps (default: ``train.train_iters``); returns per-step figures."""
-        result = TrainResult()
+        result = TrainResult(first_iteration=self.iteration + 1)
         for _ in range(iterations or self.cfg.train.train_iters):
             start = time.perf_counter()
+            lr = self.learning_rate()
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             local = self._forward_backward(forward_only=False)
-            grad_norm = self._optimizer_step()
+            updated, grad_norm = self._optimizer_step()
+            if updated:
+                # Bridge's train_step: the schedule advances by the samples of a successful step.
+                self.scheduler.step(increment=self.global_batch_size)
             if self.env.platform == "cuda":
                 torch.cuda.synchronize()
             result.step_times_s.append(time.perf_counter() - start)
             result.local_losses.append(local)
             result.losses.append(self._data_parallel_mean(local))
             result.grad_norms.append(grad_norm)
+            result.learning_rates.append(lr)
             self.iteration += 1
             if self.env.rank == 0:
                 # Megatron's log line; shown with -s, kept in the captured output otherwise.
                 print(
-                    f" iteration {self.iteration:>4} | lm loss {result.losses[-1]:.6E} | "
-                    f"grad norm {grad_norm:.3f} | {1000 * result.step_times_s[-1]:.1f} ms/step",
+                    f" iteration {self.iteration:>4} | learning rate {lr:.6E} | "
+                    f"lm loss {result.losses[-1]:.6E} | grad norm {grad_norm:.3f} | "
+                    f"{1000 * result.step_times_s[-1]:.1f} ms/step",
                     flush=True,
                 )
         if self.observer is not None:
@@ -180,6 +240,7 @@ class TrainingRun:
         """
         self.model = None
         self.optimizer = None
+        self.scheduler = None
 
     # Checkpointing (pytest_megatron_fsdp.checkpoint): the data stream's position is part of the
     # saved train state, so a resumed run draws the batches the uninterrupted one would have.
@@ -203,7 +264,7 @@ class TrainingRun:
             strategy=strategy,
             world_size=self.env.world_size,
             data_parallel_size=dp,
-            tokens_per_step=p.micro_batch_size * p.seq_length * self.cfg.train.num_microbatches * dp,
+            tokens_per_step=p.micro_batch_size * p.seq_length * p.num_microbatches * dp,
         )
 
     def notify_checkpoint(self, **figures: float) -> None:

@@ -11,6 +11,12 @@ device arguments were all it took). This module gives them those meanings and no
 * ``DeviceMesh`` requests for ``cuda`` become ``cpu`` meshes;
 * a torch function mode rewrites ``device="cuda"`` / ``device=<int>`` arguments of tensor
   factories and ``Tensor.to``/``Tensor.cuda`` to the CPU;
+* the one CUDA type check megatron's gradient clipping makes (``clip_grad_by_total_norm_fp32``
+  asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, i.e. an fp32 gradient on the device)
+  is answered for the device the emulation provides: to that function's own ``Tensor.type()``
+  calls, and no one else's, a CPU tensor names its CUDA type (``torch.cuda.FloatTensor`` for fp32,
+  ``torch.cuda.BFloat16Tensor`` for bf16, so the dtype check keeps its teeth); everywhere else
+  ``type()`` answers as usual (see :data:`CUDA_TYPE_CHECKERS`);
 * NCCL's pre-multiplied sum (``torch.distributed._make_nccl_premul_sum(f)``, which Megatron-FSDP
   uses to fuse the gradient average into the reduction; gloo has no ``ReduceOp.PREMUL_SUM``) becomes
   a marker that ``reduce_scatter_tensor`` and ``all_reduce`` honour by scaling their input by ``f``
@@ -36,7 +42,7 @@ import torch.distributed as _dist
 import torch.distributed.device_mesh as _device_mesh
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable", "disable", "is_enabled", "emulated", "PATCHED_CUDA_ATTRIBUTES"]
+__all__ = ["enable", "disable", "is_enabled", "emulated", "PATCHED_CUDA_ATTRIBUTES", "CUDA_TYPE_CHECKERS"]
 
 
 class _NullStream:
@@ -184,6 +190,28 @@ def _is_cuda_device(device: Any) -> bool:
     return False
 
 
+#: (module, function) whose own ``Tensor.type()`` calls get the CUDA type name of a CPU tensor.
+#: megatron's clip asserts its gradients are ``torch.cuda.FloatTensor`` before scaling them in place;
+#: on an emulated rank the device *is* the CPU, so an fp32 CPU gradient is what that check asks for.
+CUDA_TYPE_CHECKERS: frozenset[tuple[str, str]] = frozenset(
+    {("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32")}
+)
+
+
+def cuda_type_name(tensor: torch.Tensor) -> str:
+    """``tensor.type()`` as it reads on the emulated device: ``torch.FloatTensor`` ->
+    ``torch.cuda.FloatTensor`` (``torch.sparse.X`` -> ``torch.cuda.sparse.X``) for CPU tensors."""
+    name = tensor.type()
+    if tensor.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+        return "torch.cuda." + name[len("torch.") :]
+    return name
+
+
+def _asked_by_a_cuda_type_checker(depth: int = 2) -> bool:
+    caller = sys._getframe(depth)
+    return (caller.f_globals.get("__name__"), caller.f_code.co_name) in CUDA_TYPE_CHECKERS
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch call made under it."""
 
@@ -191,6 +219,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and _asked_by_a_cuda_type_checker():
+            return cuda_type_name(args[0])
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):

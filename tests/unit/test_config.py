@@ -109,8 +109,18 @@ def test_save_or_load_requires_fsdp_dtensor(which):
     )
 
 
-def test_other_formats_are_fine_without_save_or_load():
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch", "zarr"])
+def test_other_formats_are_refused_with_megatron_fsdp_even_without_save_or_load(fmt):
     cfg = fsdp()
+    cfg.checkpoint.ckpt_format = fmt
+    assert not cfg.checkpoint.save and not cfg.checkpoint.load
+    rejects(
+        cfg, f"checkpoint.ckpt_format={fmt!r} with Megatron-FSDP", "set checkpoint.ckpt_format='fsdp_dtensor'"
+    )
+
+
+def test_other_formats_are_fine_without_megatron_fsdp_and_without_save_or_load():
+    cfg = disable_megatron_fsdp(fsdp())
     cfg.checkpoint.ckpt_format = "torch_dist"
     assert validate(cfg, 2, NO_ENV) == []
 
@@ -308,12 +318,20 @@ def test_checkpoint_format_fixup_switches_torch_dist_with_a_message():
     assert validate(cfg, 2, NO_ENV) == []
 
 
-@pytest.mark.parametrize("case", ["no save/load", "fsdp off", "zarr chosen"])
+def test_checkpoint_format_fixup_also_switches_a_run_that_does_not_save():
+    cfg = fsdp()
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    before = cfg.copy()
+    assert fix_checkpoint_format(cfg) is not None
+    assert changed(before, cfg) == {"checkpoint.ckpt_format": "fsdp_dtensor"}
+    assert validate(cfg, 2, NO_ENV) == []
+
+
+@pytest.mark.parametrize("case", ["fsdp off", "zarr chosen"])
 def test_checkpoint_format_fixup_leaves_other_configs_alone(case):
     cfg = fsdp()
     cfg.checkpoint.ckpt_format = "zarr" if case == "zarr chosen" else "torch_dist"
-    if case != "no save/load":
-        cfg.checkpoint.save = "/ckpt"
+    cfg.checkpoint.save = "/ckpt"
     if case == "fsdp off":
         disable_megatron_fsdp(cfg)
     before = cfg.copy()

@@ -225,3 +225,88 @@ def test_premul_sum_is_the_pre_multiplied_sum_over_gloo(dist_env):
     total = per_rank[dist_env.rank].clone()
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     assert torch.equal(total, sum(per_rank))
+
+
+# -- megatron's gradient clipping: the one CUDA type check it makes, answered for the emulated device
+
+
+def _defined_in(module: str, name: str):
+    """A function ``name`` as if defined in ``module``, returning ``tensor.type()`` as it sees it."""
+    namespace = {"__name__": module}
+    exec(f"def {name}(tensor):\n    return tensor.type()\n", namespace)
+    return namespace[name]
+
+
+CLIP_MODULE, CLIP_FUNCTION = "megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"
+
+
+def test_cuda_type_name_is_the_devices_name_for_the_same_dtype():
+    assert cuda_emulation.cuda_type_name(torch.zeros(1)) == "torch.cuda.FloatTensor"
+    assert cuda_emulation.cuda_type_name(torch.zeros(1, dtype=torch.bfloat16)) == "torch.cuda.BFloat16Tensor"
+    assert cuda_emulation.cuda_type_name(torch.zeros(1, dtype=torch.float64)) == "torch.cuda.DoubleTensor"
+    assert cuda_emulation.cuda_type_name(torch.zeros(2).to_sparse()) == "torch.cuda.sparse.FloatTensor"
+
+
+def test_only_megatrons_clip_sees_the_cuda_type_name(emulation):
+    fp32 = torch.zeros(2)
+    assert _defined_in(CLIP_MODULE, CLIP_FUNCTION)(fp32) == "torch.cuda.FloatTensor"
+    # the dtype still counts: megatron's assertion keeps failing for a bf16 gradient, as on a GPU
+    assert _defined_in(CLIP_MODULE, CLIP_FUNCTION)(fp32.bfloat16()) == "torch.cuda.BFloat16Tensor"
+    # everyone else, megatron's other type checks included, gets the truth
+    assert fp32.type() == "torch.FloatTensor"
+    assert _defined_in(CLIP_MODULE, "count_zeros_fp32")(fp32) == "torch.FloatTensor"
+    assert (
+        _defined_in("megatron.core.optimizer.distrib_optimizer", CLIP_FUNCTION)(fp32) == "torch.FloatTensor"
+    )
+    # type(dtype) converts, as always
+    assert fp32.type(torch.float64).dtype == torch.float64
+
+
+def test_without_the_emulation_the_clip_sees_a_cpu_tensor():
+    assert not cuda_emulation.is_enabled()
+    assert _defined_in(CLIP_MODULE, CLIP_FUNCTION)(torch.zeros(2)) == "torch.FloatTensor"
+
+
+def test_megatrons_clip_fails_on_cpu_without_the_emulation():
+    """What the emulation answers for: megatron's own clip, unemulated, refuses CPU gradients."""
+    code = (
+        "import torch\n"
+        "from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32\n"
+        "p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.ones(2)\n"
+        "try:\n"
+        "    clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=2.0)\n"
+        "except AssertionError:\n"
+        "    print('REFUSED')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.distributed(world_size=2)
+def test_megatrons_clip_on_cpu_ranks_matches_a_hand_computed_clip(dist_env):
+    """In a CPU rank (emulation on): megatron's clip_grad_by_total_norm_fp32 itself, against the
+    clip computed by hand: every gradient times max_norm / (total_norm + 1e-6) when that is < 1."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    assert cuda_emulation.is_enabled()
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([[0.0, 12.0]])]  # total norm 13
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=13.0)
+    coefficient = 1.0 / (13.0 + 1e-6)
+    for p, g in zip(params, grads, strict=True):
+        assert torch.allclose(p.grad, g * coefficient, rtol=1e-6, atol=0), (p.grad, g * coefficient)
+    assert abs(float(torch.cat([p.grad.flatten() for p in params]).norm()) - 1.0) < 1e-5
+
+    # below the threshold nothing changes
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    clip_grad_by_total_norm_fp32(params, max_norm=20.0, total_norm=13.0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+
+    # a bf16 gradient is refused, as megatron refuses it on a GPU
+    bf16 = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    bf16.grad = torch.ones(2, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError):
+        clip_grad_by_total_norm_fp32([bf16], max_norm=1.0, total_norm=2.0)
