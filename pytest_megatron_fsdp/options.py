@@ -15,8 +15,15 @@ from typing import Any
 
 import pytest
 
-from .fsdp.config import ConfigError, RunConfig, parse_value
-from .fsdp.presets import PRESETS
+from .fsdp.config import (
+    ConfigError,
+    RunConfig,
+    disable_megatron_fsdp,
+    enable_megatron_fsdp,
+    parse_value,
+    validate,
+)
+from .fsdp.presets import DEFAULT_PRESET, PRESETS
 from .harness.protocol import add_internal_options
 
 PREFIX = "mfsdp"
@@ -223,6 +230,12 @@ def _resolve_multiple(config: pytest.Config, option: Option, marker_value: Any) 
     if marker_value is not None:
         items = [marker_value] if isinstance(marker_value, str) else list(marker_value)
         return tuple(_parse(option, item, "marker kwarg") for item in items)
+    source, items = _multiple_source(config, option)
+    return tuple(_parse(option, item, source) for item in items) if items else tuple(option.default or ())
+
+
+def _multiple_source(config: pytest.Config, option: Option) -> tuple[str, list[str]]:
+    """(where a repeatable option's values come from, the raw values); ("", []) when none given."""
     cli = getattr(config.option, option.dest, None)
     if cli is None:
         cli = getattr(config.known_args_namespace, option.dest, None)
@@ -234,8 +247,8 @@ def _resolve_multiple(config: pytest.Config, option: Option, marker_value: Any) 
         (f"ini option {option.ini}", ini),
     ):
         if items:
-            return tuple(_parse(option, item, source) for item in items)
-    return tuple(option.default or ())
+            return source, list(items)
+    return "", []
 
 
 def _parse(option: Option, raw: Any, source: str) -> Any:
@@ -249,7 +262,51 @@ def _parse(option: Option, raw: Any, source: str) -> Any:
 
 def check_all(config: pytest.Config) -> dict[str, Any]:
     """Resolve every option once, so a bad value anywhere fails at configure time."""
-    return {name: resolve(config, name) for name in OPTIONS}
+    values = {name: resolve(config, name) for name in OPTIONS}
+    if values["set"]:
+        _check_run_config(config, values)
+    return values
+
+
+def _check_run_config(config: pytest.Config, values: dict[str, Any]) -> None:
+    """The ``--mfsdp-set`` assignments together, on the config every test starts from: every rule
+    of ``validate()`` that needs no rank (choices, ranges, fields that must agree), so a bad value
+    is one line now instead of a failure inside every rank.
+
+    The platform, and with it the default preset, may only be decided later (``auto``): then the
+    config is checked as each candidate platform would build it, and refused only when every one
+    refuses it (the ranks check the rest before they build anything).
+    """
+    platforms = PLATFORMS[1:] if values["platform"] == "auto" else (values["platform"],)
+    problems = []
+    for platform in platforms:
+        cfg = starting_config(
+            values["preset"] or DEFAULT_PRESET[platform], values["use-megatron-fsdp"], platform
+        )
+        try:
+            for assignment in values["set"]:
+                cfg.assign(assignment)
+            validate(cfg, platform=platform)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        return
+    source, _ = _multiple_source(config, OPTIONS["set"])
+    raise OptionError(f"{source}: {problems[0]}")
+
+
+def starting_config(preset: str, use_megatron_fsdp: bool, platform: str) -> RunConfig:
+    """The config a test's ``run_config`` starts from, before ``--mfsdp-set`` and the test's own changes."""
+    cfg = enable_megatron_fsdp(RunConfig())
+    cfg.model.preset = preset
+    if not use_megatron_fsdp:
+        disable_megatron_fsdp(cfg)
+        if platform == "cpu":
+            # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks; without
+            # the distributed optimizer, parameter gathering cannot overlap (validate() says why).
+            cfg.ddp.use_distributed_optimizer = False
+            cfg.ddp.overlap_param_gather = False
+    return cfg
 
 
 def forwarded_args(config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir")) -> list[str]:

@@ -65,10 +65,10 @@ def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
     pytester.makepyfile("def test_x(): pass")
     out = str(pytester.runpytest_subprocess("-s").stdout)
     assert "SET ['train.seed=1', 'train.train_iters=5']" in out and "USE False" in out
-    monkeypatch.setenv("MFSDP_SET", "train.seed=2; ddp.overlap_grad_reduce=false")
+    monkeypatch.setenv("MFSDP_SET", "train.seed=2; ddp.overlap_param_gather=false")
     monkeypatch.setenv("MFSDP_USE_MEGATRON_FSDP", "true")
     out = str(pytester.runpytest_subprocess("-s").stdout)
-    assert "SET ['train.seed=2', 'ddp.overlap_grad_reduce=false']" in out and "USE True" in out
+    assert "SET ['train.seed=2', 'ddp.overlap_param_gather=false']" in out and "USE True" in out
     out = str(
         pytester.runpytest_subprocess(
             "-s",
@@ -101,3 +101,73 @@ def test_defaults_keep_megatron_fsdp_on_and_set_nothing(pytester):
     pytester.makepyfile("def test_x(): pass")
     out = str(pytester.runpytest_subprocess("-s").stdout)
     assert "SET []" in out and "USE True" in out
+
+
+DISTRIBUTED_TEST = (
+    "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_d(run_config):\n    pass\n"
+)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--mfsdp-set", "ddp.data_parallel_sharding_strategy=bogus"],
+            "ERROR: --mfsdp-set: ddp.data_parallel_sharding_strategy='bogus' is not a sharding strategy; "
+            "choose one of: no_shard, optim, optim_grads, optim_grads_params",
+        ),
+        (
+            ["--mfsdp-set", "checkpoint.ckpt_format=torch_dist"],
+            "ERROR: --mfsdp-set: checkpoint.ckpt_format='torch_dist' with Megatron-FSDP: *"
+            "set checkpoint.ckpt_format='fsdp_dtensor'*",
+        ),
+        (
+            ["--mfsdp-set", "ddp.overlap_grad_reduce=false"],
+            "ERROR: --mfsdp-set: ddp.overlap_param_gather=True with ddp.overlap_grad_reduce=False: *"
+            "or ddp.overlap_param_gather=False",
+        ),
+        (
+            ["--mfsdp-set", "scheduler.lr_decay_style=cosine", "--mfsdp-set", "scheduler.lr_warmup_iters=10"],
+            "ERROR: --mfsdp-set: scheduler.lr_warmup_iters=10 is not below train.train_iters=10*",
+        ),
+        (
+            ["--mfsdp-platform=cpu", "--mfsdp-preset=bridge-reference", "--mfsdp-set=optimizer.lr=0"],
+            "ERROR: --mfsdp-set: optimizer.min_lr=1e-06 (the bridge-reference preset's) is above "
+            "optimizer.lr=0.0*",
+        ),
+    ],
+)
+def test_bad_config_values_are_refused_at_configure_time(pytester, args, message):
+    """One line naming field, value and fix, and no rank set launched (the run ends in configure)."""
+    pytester.makepyfile(DISTRIBUTED_TEST)
+    result = pytester.runpytest_subprocess(*args, "--mfsdp-log-dir=logs")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert len([line for line in result.stderr.lines if line.strip()]) == 1, result.stderr.lines
+    assert not (pytester.path / "logs").exists()  # no rank ever started
+
+
+def test_configure_time_checks_accept_what_the_session_can_run(pytester):
+    """The whole config is checked as the tests start from it: what fixes a rule passes."""
+    pytester.makepyfile("def test_x(): pass")
+    accepted = [
+        ["--mfsdp-set=ddp.overlap_grad_reduce=false", "--mfsdp-set=ddp.overlap_param_gather=false"],
+        ["--mfsdp-set=checkpoint.ckpt_format=torch_dist", "--mfsdp-use-megatron-fsdp=false"],
+        ["--mfsdp-set=scheduler.lr_warmup_iters=10", "--mfsdp-set=train.train_iters=20"],
+        # the platform is decided later (auto): tiny, the CPU default, takes lr 0
+        ["--mfsdp-set=optimizer.lr=0"],
+        ["--mfsdp-platform=cpu", "--mfsdp-set=optimizer.lr=0"],
+    ]
+    for args in accepted:
+        result = pytester.runpytest_subprocess(*args)
+        assert result.ret == pytest.ExitCode.OK, (args, result.stderr.lines)
+
+
+def test_a_configure_time_refusal_names_the_environment_as_its_source(pytester, monkeypatch):
+    pytester.makepyfile("def test_x(): pass")
+    monkeypatch.setenv("MFSDP_SET", "train.seed=2;checkpoint.ckpt_format=zarr")
+    result = pytester.runpytest_subprocess()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: environment variable MFSDP_SET: checkpoint.ckpt_format='zarr' with*"]
+    )
