@@ -82,9 +82,41 @@ def fmt_bytes(n: int | None) -> str:
 _MEMORY_KIND = {"max_rss": "max RSS", "cuda_max_allocated": "CUDA max allocated"}
 
 
-def table_lines(records: Sequence[RunRecord]) -> list[str]:
-    """One small table per test (a row per training run in it)."""
-    header = (
+def summary_lines(records: Sequence[RunRecord], verbosity: int = 0) -> list[str]:
+    """The runs table at pytest's verbosity: ``-q`` one line per test, the default one small table
+    per test, ``-v`` that table with the gradient norms and sizes too."""
+    if verbosity < 0:
+        return compact_lines(records)
+    return table_lines(records, details=verbosity > 0)
+
+
+def compact_lines(records: Sequence[RunRecord]) -> list[str]:
+    """One line per test: its last run's loss (first → last, the curve) and speed; earlier runs
+    of the same test are counted, not shown (``-v`` shows each)."""
+    by_test: dict[str, list[RunRecord]] = {}
+    for r in records:
+        by_test.setdefault(r.nodeid, []).append(r)
+    rows = []
+    for nodeid, runs in by_test.items():
+        r = runs[-1]
+        more = f" (+{len(runs) - 1} run{'s' if len(runs) > 2 else ''})" if len(runs) > 1 else ""
+        rows.append(
+            (
+                nodeid,
+                f"{r.platform}/{r.preset} {r.strategy}{more}",
+                f"{fmt_number(r.first_loss, '.4f')} → {fmt_number(r.last_loss, '.4f')}",
+                sparkline(r.losses, width=12),
+                f"{fmt_number(r.ms_per_step, '.1f')} ms/step",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))] if rows else []
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def table_lines(records: Sequence[RunRecord], details: bool = False) -> list[str]:
+    """One small table per test (a row per training run in it); ``details`` adds the gradient
+    norm (first → last, its curve) and the world / data-parallel sizes."""
+    header: tuple[str, ...] = (
         "platform",
         "strategy",
         "iters",
@@ -94,6 +126,8 @@ def table_lines(records: Sequence[RunRecord]) -> list[str]:
         "tokens/s",
         "peak mem",
     )
+    if details:
+        header += ("grad norm first → last", "grad norm curve", "world/dp", "tokens/step")
     by_test: dict[str, list[RunRecord]] = {}
     for r in records:
         by_test.setdefault(r.nodeid, []).append(r)
@@ -105,18 +139,25 @@ def table_lines(records: Sequence[RunRecord]) -> list[str]:
             memory = fmt_bytes(r.peak_memory_bytes)
             if r.peak_memory_bytes is not None and r.peak_memory_kind:
                 memory += f" ({_MEMORY_KIND.get(r.peak_memory_kind, r.peak_memory_kind)})"
-            rows.append(
-                (
-                    f"{r.platform}/{r.preset}",
-                    r.strategy,
-                    str(r.iterations),
-                    f"{fmt_number(r.first_loss, '.4f')} → {fmt_number(r.last_loss, '.4f')}",
-                    sparkline(r.losses),
-                    fmt_number(r.ms_per_step, ".1f"),
-                    fmt_number(r.tokens_per_s, ".0f"),
-                    memory,
-                )
+            row: tuple[str, ...] = (
+                f"{r.platform}/{r.preset}",
+                r.strategy,
+                str(r.iterations),
+                f"{fmt_number(r.first_loss, '.4f')} → {fmt_number(r.last_loss, '.4f')}",
+                sparkline(r.losses),
+                fmt_number(r.ms_per_step, ".1f"),
+                fmt_number(r.tokens_per_s, ".0f"),
+                memory,
             )
+            if details:
+                norms = r.grad_norms or [float("nan")]
+                row += (
+                    f"{fmt_number(norms[0], '.3f')} → {fmt_number(norms[-1], '.3f')}",
+                    sparkline(r.grad_norms),
+                    f"{r.world_size}/{r.data_parallel_size}",
+                    str(r.tokens_per_step),
+                )
+            rows.append(row)
             if (
                 r.checkpoint_bytes is not None
                 or r.checkpoint_save_s is not None
@@ -127,7 +168,7 @@ def table_lines(records: Sequence[RunRecord]) -> list[str]:
                     f"save {_seconds(r.checkpoint_save_s)}, load {_seconds(r.checkpoint_load_s)}"
                 )
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        numeric = {2, 5, 6}
+        numeric = {2, 5, 6, 11}
         lines.append(nodeid)
         for row in rows:
             cells = [
@@ -193,8 +234,34 @@ def junit_properties(record: RunRecord, index: int = 0) -> list[tuple[str, str]]
     return [(prefix + k, fmt_number(v)) for k, v in figures.items() if v is not None]
 
 
+#: plot geometry (inches): width of the axes, and of one legend column
+PLOT_AXES_WIDTH, PLOT_LEGEND_COLUMN_WIDTH, PLOT_ROW_HEIGHT = 9.0, 4.6, 0.19
+#: legend entries per column before a second column opens
+PLOT_ENTRIES_PER_COLUMN = 24
+
+
+def plot_groups(records: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
+    """Runs by test file, in the order they ran: one panel each."""
+    groups: dict[str, list[RunRecord]] = {}
+    for r in records:
+        groups.setdefault(r.nodeid.split("::", 1)[0], []).append(r)
+    return groups
+
+
+def plot_label(record: RunRecord) -> str:
+    """A run's legend entry: the test (class and parameters included) and what it ran."""
+    test = record.nodeid.split("::", 1)[-1]
+    return f"{test} ({record.strategy}, {record.preset})"
+
+
 def write_plot(path: Path, records: Sequence[RunRecord]) -> str:
-    """A PNG of every run's loss curve; returns the line to show (a note when matplotlib is absent)."""
+    """A PNG of every run's loss curve; returns the line to show (a note when matplotlib is absent).
+
+    One panel per test file, each with its own legend beside it, so any number of runs stays
+    readable: every curve is drawn and named, and the figure grows to hold the legends (saved
+    with a tight bounding box, so no label is cut). Colours and line styles combine so that
+    neighbouring curves differ; non-finite losses are marked x on the panel's x axis.
+    """
     try:
         import matplotlib
 
@@ -202,31 +269,70 @@ def write_plot(path: Path, records: Sequence[RunRecord]) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return f"no loss plot written to {path}: matplotlib is not installed (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for r in records:
-        # NaN points leave gaps in the line; mark them on the x axis so they are not hidden.
-        xs = list(range(1, len(r.losses) + 1))
-        (line,) = ax.plot(xs, r.losses, marker=".", label=f"{r.nodeid.split('::', 1)[-1]} ({r.strategy})")
-        bad = [x for x, v in zip(xs, r.losses, strict=True) if not math.isfinite(v)]
-        if bad:
-            # x in data units, y at the bottom of the axes: visible whatever the finite losses' scale
-            ax.plot(
-                bad,
-                [0.0] * len(bad),
-                "x",
-                color=line.get_color(),
-                transform=ax.get_xaxis_transform(),
-                clip_on=False,
-                label="_nolegend_",
-            )
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("lm loss")
-    ax.set_title("megatron-fsdp training runs (× on the axis: non-finite loss)")
-    ax.legend(fontsize="small")
+    fig = plot_figure(records)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return f"loss plot: {path}"
+
+
+def plot_figure(records: Sequence[RunRecord]) -> Any:
+    """The loss plot's matplotlib figure (see :func:`write_plot`); needs matplotlib."""
+    import matplotlib.pyplot as plt
+
+    groups = plot_groups(records)
+    heights = [
+        max(2.8, PLOT_ROW_HEIGHT * min(len(runs), PLOT_ENTRIES_PER_COLUMN) + 0.9) for runs in groups.values()
+    ]
+    columns = max(-(-len(runs) // PLOT_ENTRIES_PER_COLUMN) for runs in groups.values())
+    fig, axes = plt.subplots(
+        len(groups),
+        1,
+        figsize=(PLOT_AXES_WIDTH + PLOT_LEGEND_COLUMN_WIDTH * columns, sum(heights)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    colors = plt.get_cmap("tab10").colors
+    styles = ("-", "--", ":", "-.")
+    for ax, (file, runs) in zip(axes[:, 0], groups.items(), strict=True):
+        for i, r in enumerate(runs):
+            # NaN points leave gaps in the line; mark them on the x axis so they are not hidden.
+            xs = list(range(1, len(r.losses) + 1))
+            style = styles[(i // len(colors)) % len(styles)]
+            (line,) = ax.plot(
+                xs, r.losses, style, marker=".", color=colors[i % len(colors)], label=plot_label(r)
+            )
+            bad = [x for x, v in zip(xs, r.losses, strict=True) if not math.isfinite(v)]
+            if bad:
+                # x in data units, y at the bottom of the axes: visible whatever the finite losses' scale
+                ax.plot(
+                    bad,
+                    [0.0] * len(bad),
+                    "x",
+                    color=line.get_color(),
+                    transform=ax.get_xaxis_transform(),
+                    clip_on=False,
+                    label="_nolegend_",
+                )
+        ax.set_title(f"{file} ({len(runs)} run{'s' if len(runs) != 1 else ''})", fontsize=10, loc="left")
+        ax.set_xlabel("iteration", fontsize=9)
+        ax.set_ylabel("lm loss", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(
+            fontsize=7.5,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            borderaxespad=0.0,
+            ncol=-(-len(runs) // PLOT_ENTRIES_PER_COLUMN),
+            frameon=False,
+        )
+    fig.suptitle(
+        f"megatron-fsdp training runs: {len(records)} run{'s' if len(records) != 1 else ''} "
+        "(x on the axis: non-finite loss)",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    return fig
 
 
 def terminal_summary(
@@ -242,7 +348,7 @@ def terminal_summary(
     if not records and not json_path:
         return
     terminalreporter.section("megatron-fsdp training runs")
-    for line in table_lines(records):
+    for line in summary_lines(records, getattr(terminalreporter, "verbosity", 0)):
         terminalreporter.write_line(line)
     if not records:
         terminalreporter.write_line("no training runs recorded")

@@ -13,8 +13,11 @@ from pytest_megatron_fsdp.reporting.report import (
     BARS,
     NAN_MARK,
     junit_properties,
+    plot_figure,
+    plot_label,
     report_document,
     sparkline,
+    summary_lines,
     table_lines,
     write_json,
     write_plot,
@@ -170,3 +173,82 @@ def test_report_and_metrics_modules_load_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# -- how much the summary says: -q one line per test, default a table per test, -v the details
+
+
+def test_quiet_summary_is_one_line_per_test():
+    runs = [
+        record([4.9, 4.5, 4.2], nodeid="t.py::test_one"),
+        record([4.9, 4.4], nodeid="t.py::test_two", strategy="ddp"),
+        record([4.9, NAN], nodeid="t.py::test_two", last_loss=NAN),
+    ]
+    lines = summary_lines(runs, verbosity=-1)
+    assert len(lines) == 2
+    assert lines[0].startswith("t.py::test_one ") and "4.9000 → 4.2000" in lines[0] and "█▄▁" in lines[0]
+    assert lines[1].startswith("t.py::test_two ")
+    assert "(+1 run)" in lines[1] and "4.9000 → NaN" in lines[1] and NAN_MARK in lines[1]  # the last run
+    assert "max RSS" not in "\n".join(lines)  # details stay in the tables
+
+
+def test_default_summary_is_the_table_and_verbose_adds_grad_norms():
+    runs = [record([4.9, 4.5, 4.2], grad_norms=[2.0, 1.0, 0.5])]
+    assert summary_lines(runs, verbosity=0) == table_lines(runs)
+    plain, verbose = table_lines(runs), summary_lines(runs, verbosity=1)
+    assert "grad norm" not in "\n".join(plain)
+    assert "grad norm first → last" in verbose[1] and "2.000 → 0.500" in verbose[2]
+    assert sparkline([2.0, 1.0, 0.5]) in verbose[2].split("2.000 → 0.500")[1]  # the norm's own curve
+    assert "2/2" in verbose[2]
+
+
+def test_plot_names_every_run_in_a_panel_per_test_file():
+    pytest.importorskip("matplotlib")
+    runs = [
+        record([4.9, 4.5], nodeid=f"{'a' if i % 3 else 'b'}/test_f.py::test_x[{i}]", strategy="ddp")
+        for i in range(50)
+    ]
+    runs[7] = record([4.9, NAN], nodeid="a/test_f.py::test_nan")
+    fig = plot_figure(runs)
+    try:
+        panels = fig.axes
+        assert [ax.get_title(loc="left") for ax in panels] == [  # in the order the files first ran
+            "b/test_f.py (17 runs)",
+            "a/test_f.py (33 runs)",
+        ]
+        labels = [t.get_text() for ax in panels for t in ax.get_legend().get_texts()]
+        assert sorted(labels) == sorted(plot_label(r) for r in runs)  # every run named, once
+        curves = [line for ax in panels for line in ax.get_lines() if not line.get_label().startswith("_")]
+        assert len(curves) == 50
+        in_a = [line for line in panels[1].get_lines() if not line.get_label().startswith("_")]
+        assert len({(line.get_color(), line.get_linestyle()) for line in in_a}) == 33  # no two alike
+        # the figure is sized for its legends: 33 runs need a second legend column
+        assert fig.get_size_inches()[0] > 9.0 + 2 * 4.5
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def test_plot_png_holds_every_legend_label(tmp_path):
+    """Saved with a tight box: the PNG extends to the widest legend label, so none is cut."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import image
+
+    long_name = "test_" + "x" * 120
+    path = tmp_path / "loss.png"
+    write_plot(path, [record([4.9, 4.5], nodeid=f"t.py::{long_name}")])
+    fig = plot_figure([record([4.9, 4.5], nodeid=f"t.py::{long_name}")])
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        (text,) = fig.axes[0].get_legend().get_texts()
+        label_right = text.get_window_extent(renderer).x1 / fig.dpi  # inches from the figure's left
+        tight = fig.get_tightbbox(renderer)
+        assert label_right <= tight.x1 + 1e-6
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    height, width = image.imread(path).shape[:2]
+    assert width / 100 >= label_right - tight.x0 - 0.05  # the saved PNG (dpi 100) reaches the label's end
