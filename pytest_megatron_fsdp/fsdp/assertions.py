@@ -16,16 +16,44 @@ from .results import TrainResult
 
 
 def assert_last_loss_finite(result: TrainResult) -> None:
-    """The last iteration's loss is finite on every rank (each rank's own loss, before reduction)."""
+    """The last iteration's loss is finite on every rank (each rank's own loss, before reduction).
+
+    The failure names the last iteration's bad ranks and values, and where it went wrong first:
+    the first iteration whose loss was not finite, on which ranks (a NaN at iteration 2 is
+    what to debug, not the NaN it is still at iteration 10).
+    """
     per_rank = gather_objects(result.local_losses)
-    iteration = len(result.local_losses)
+    last = result.first_iteration + len(result.local_losses) - 1
     bad = [(rank, losses[-1]) for rank, losses in enumerate(per_rank) if not math.isfinite(losses[-1])]
-    if bad:
-        detail = ", ".join(f"rank {rank}: loss={value}" for rank, value in bad)
-        raise AssertionError(
-            f"last-iteration loss is not finite at iteration {iteration}: {detail} "
-            f"(all ranks' last losses: {[losses[-1] for losses in per_rank]})"
+    if not bad:
+        return
+    first = {rank: first_non_finite(losses) for rank, losses in enumerate(per_rank)}
+    start = min(i for i in first.values() if i is not None)
+    at_start = [(rank, per_rank[rank][start]) for rank, i in first.items() if i == start]
+    later = [
+        f"rank {rank} from iteration {result.first_iteration + i}"
+        for rank, i in first.items()
+        if i not in (None, start)
+    ]
+    fine = [(rank, losses[-1]) for rank, losses in enumerate(per_rank) if math.isfinite(losses[-1])]
+    raise AssertionError(
+        f"loss is not finite at the last iteration ({last}): "
+        + ", ".join(f"rank {rank}: loss={value}" for rank, value in bad)
+        + f"; first non-finite at iteration {result.first_iteration + start}: "
+        + ", ".join(f"rank {rank}: loss={value}" for rank, value in at_start)
+        + (f" ({', '.join(later)})" if later else "")
+        + (
+            "; finite at the last iteration: "
+            + ", ".join(f"rank {rank}: loss={value:.6g}" for rank, value in fine)
+            if fine
+            else ""
         )
+    )
+
+
+def first_non_finite(values: list[float]) -> int | None:
+    """Index of the first value that is NaN or infinite (None: all finite)."""
+    return next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
 
 
 def assert_loss_decreased(result: TrainResult, min_relative_drop: float = 0.02) -> None:
@@ -36,10 +64,11 @@ def assert_loss_decreased(result: TrainResult, min_relative_drop: float = 0.02) 
     """
     first, last = result.losses[0], result.losses[-1]
     target = first * (1.0 - min_relative_drop)
+    last_iteration = result.first_iteration + len(result.losses) - 1
     if not (math.isfinite(last) and last <= target):
         raise AssertionError(
-            f"the model did not learn: loss went {first:.4f} (iteration 1) -> {last:.4f} "
-            f"(iteration {len(result.losses)}); required <= {target:.4f} "
+            f"the model did not learn: loss went {first:.4f} (iteration {result.first_iteration}) -> "
+            f"{last:.4f} (iteration {last_iteration}); required <= {target:.4f} "
             f"(a {min_relative_drop:.0%} drop). Loss per iteration: "
             + ", ".join(f"{x:.4f}" for x in result.losses)
         )

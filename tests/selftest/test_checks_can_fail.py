@@ -21,26 +21,47 @@ def test_absurd_learning_rate_fails_the_finite_loss_check(megatron_fsdp_run, run
     run_config.optimizer.lr = 1e30
     # Megatron's own NaN-in-grad check would raise first; this test is about the loss check.
     run_config.ddp.check_for_nan_in_grad = False
-    result = megatron_fsdp_run(run_config).train(4)
+    result = megatron_fsdp_run(run_config).train(8)
     assert not math.isfinite(result.local_losses[-1])
+    first_bad = next(i for i, loss in enumerate(result.local_losses, start=1) if not math.isfinite(loss))
+    assert first_bad < 8  # the run went bad before its last iteration: the message must say when
     with pytest.raises(AssertionError) as failure:
         assert_last_loss_finite(result)
     message = str(failure.value)
-    assert "iteration 4" in message
-    assert "rank 0: loss=nan" in message and "rank 1: loss=nan" in message
+    assert message.startswith(
+        "loss is not finite at the last iteration (8): rank 0: loss=nan, rank 1: loss=nan"
+    )
+    assert f"first non-finite at iteration {first_bad}: rank 0: loss=nan, rank 1: loss=nan" in message
 
 
 def test_finite_loss_check_names_the_one_bad_rank(dist_env):
     losses = [4.8, 4.5, 4.2]
     local = losses[:-1] + [float("nan") if dist_env.rank == 1 else 4.2]
     result = TrainResult(losses=losses, local_losses=local)
-    with pytest.raises(AssertionError, match=r"at iteration 3: rank 1: loss=nan \(") as failure:
+    with pytest.raises(AssertionError) as failure:
         assert_last_loss_finite(result)
-    assert "rank 0:" not in str(failure.value)  # rank 0's loss was fine and is not blamed
+    assert str(failure.value) == (
+        "loss is not finite at the last iteration (3): rank 1: loss=nan; first non-finite at iteration 3: "
+        "rank 1: loss=nan; finite at the last iteration: rank 0: loss=4.2"
+    )
+
+
+def test_finite_loss_check_says_where_each_rank_went_bad(dist_env):
+    """Rank 0 is NaN from iteration 7 on, rank 1 from 9 (a second train() call: iterations 6..10)."""
+    start = {0: 1, 1: 3}[dist_env.rank]
+    local = [4.0] * start + [float("nan")] * (5 - start)
+    result = TrainResult(losses=[4.0] * 5, local_losses=local, first_iteration=6)
+    with pytest.raises(AssertionError) as failure:
+        assert_last_loss_finite(result)
+    assert str(failure.value) == (
+        "loss is not finite at the last iteration (10): rank 0: loss=nan, rank 1: loss=nan; "
+        "first non-finite at iteration 7: rank 0: loss=nan (rank 1 from iteration 9)"
+    )
 
 
 def test_frozen_model_fails_the_learned_check(megatron_fsdp_run, run_config):
     run_config.optimizer.lr = 0.0
+    run_config.optimizer.min_lr = 0.0  # a preset's floor may be above 0 (bridge-reference: 1e-6)
     result = megatron_fsdp_run(run_config).train(10)
     assert all(math.isfinite(x) for x in result.losses)
     with pytest.raises(AssertionError, match=r"did not learn: loss went .* \(iteration 10\)"):
