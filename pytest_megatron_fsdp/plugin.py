@@ -11,6 +11,7 @@ where a collected test needs them.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,27 @@ from .harness.platform import PlatformChoice, select_platform
 from .harness.rank import RankPlugin
 from .harness.session import RANK_SESSION, RankSession, TorchrunEnv
 from .reporting import metrics
+
+
+class _EmulatedDeviceWarning(logging.Filter):
+    """Drops one known log line in CPU ranks, the emulation's own doing: Megatron-FSDP is given
+    ``device=cpu`` while the emulated ``torch.cuda.current_device()`` answers 0, so every wrapper
+    logs "Megatron-FSDP is using device cpu instead of the current device cuda:0 ...". Any other
+    record (another device, another message) passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (
+            "Megatron-FSDP is using device cpu instead of the current device cuda:0"
+            not in record.getMessage()
+        )
+
+
+EMULATED_DEVICE_WARNING = _EmulatedDeviceWarning()
+#: where Megatron-FSDP's wrapper logs it: megatron-core's bundled copy, and the standalone package
+MEGATRON_FSDP_LOGGERS = (
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    "megatron_fsdp.megatron_fsdp",
+)
 
 _RANK_PLUGIN = "mfsdp-rank"
 _CONTROLLER = "mfsdp-controller"
@@ -53,6 +75,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
         from .harness import cuda_emulation
 
         cuda_emulation.enable()
+        for name in MEGATRON_FSDP_LOGGERS:
+            logging.getLogger(name).addFilter(EMULATED_DEVICE_WARNING)
     early_config.stash[PLATFORM] = choice
 
 
@@ -185,6 +209,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         from .harness import cuda_emulation
 
         cuda_emulation.disable()
+        for name in MEGATRON_FSDP_LOGGERS:
+            logging.getLogger(name).removeFilter(EMULATED_DEVICE_WARNING)
 
 
 def _shows_the_summary(config: pytest.Config, torchrun: TorchrunEnv | None) -> bool:

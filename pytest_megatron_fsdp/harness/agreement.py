@@ -7,6 +7,7 @@ that rides on the local report (pytest-style extra attributes, e.g. training-run
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,16 +76,11 @@ def merge_reports(
             if rank != my_rank:
                 report.sections.extend((f"{title} (rank {rank})", text) for title, text in p["sections"])
         if worst == "failed":
-            failing = sorted(r for r, p in phase.items() if p["outcome"] == "failed")
-            passing = sorted(r for r, p in phase.items() if p["outcome"] != "failed")
-            parts = [
-                f"failed on rank{'s' if len(failing) > 1 else ''} {', '.join(map(str, failing))}"
-                + (f" (passed on {', '.join(map(str, passing))})" if passing else "")
-            ]
-            for rank in failing:
-                parts.append(f"---------- rank {rank} (log: {log_dir / f'rank{rank}.log'}) ----------")
-                parts.append(phase[rank].get("text", ""))
-            report.longrepr = "\n".join(parts)
+            report.longrepr = failure_text(
+                {r: p.get("text", "") for r, p in phase.items() if p["outcome"] == "failed"},
+                sorted(r for r, p in phase.items() if p["outcome"] != "failed"),
+                log_dir,
+            )
         elif worst == "skipped" and base is not None and hasattr(base, "wasxfail"):
             # an expected failure (xfail) is reported as pytest reports it: the reason in
             # `wasxfail`, the failure's own traceback as longrepr
@@ -111,3 +107,51 @@ def merge_reports(
                 report.longrepr = (str(item.path), (lineno or 0) + 1, reason)
         merged.append(report)
     return merged
+
+
+def failure_text(failures: dict[int, str], passing: list[int], log_dir: Path) -> str:
+    """The failure report of one phase: each distinct error once, under every rank that raised it.
+
+    Collective assertions raise the same message on every rank; printing it per rank only buries
+    what differs. Ranks with the same text share one block, whose header names all their logs.
+    """
+    by_error: dict[str, list[int]] = {}
+    for rank in sorted(failures):
+        by_error.setdefault(error_signature(failures[rank]), []).append(rank)
+    by_text = {failures[ranks[0]]: ranks for ranks in by_error.values()}  # the lowest rank's text
+    failing = sorted(failures)
+    summary = f"failed on {_ranks(failing)}"
+    if len(failing) > 1 and len(by_text) == 1:
+        summary += " (same error)"
+    if passing:
+        summary += f" (passed on {', '.join(map(str, passing))})"
+    parts = [summary]
+    for text, ranks in by_text.items():
+        logs = ", ".join(str(log_dir / f"rank{rank}.log") for rank in ranks)
+        parts.append(f"---------- {_ranks(ranks)} ({'logs' if len(ranks) > 1 else 'log'}: {logs}) ----------")
+        parts.append(text)
+    return "\n".join(parts)
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
+#: pytest's long traceback: "E   <exception line>" and "path:line: ExceptionType" per frame
+_ERROR_LINE = re.compile(r"^(E\s.*|\S.*:\d+: \w.*)$")
+
+
+def error_signature(text: str) -> str:
+    """What makes two ranks' failures the same error: the exception (the first line of each block
+    of pytest's ``E`` lines) and where each frame raised, object addresses masked. The rest of a
+    long traceback differs between ranks that fail alike: argument reprs
+    (``dist_env = DistEnv(rank=1, ...)``) and pytest's explanation of an assertion
+    (``+  where 2 = DistEnv(rank=1, ...).world_size``)."""
+    lines, previous_was_error = [], False
+    for line in text.splitlines():
+        is_error = line.startswith("E ")
+        if _ERROR_LINE.match(line) and not (is_error and previous_was_error):
+            lines.append(line)
+        previous_was_error = is_error
+    return _ADDRESS.sub("0x?", "\n".join(lines) if lines else text)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

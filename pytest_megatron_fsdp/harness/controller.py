@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -155,22 +156,28 @@ class Controller:
     def _finish_batch(self, world_size: int) -> None:
         rank_set = self.active[world_size]
         code = rank_set.wait(EXIT_WAIT_S)
-        if code not in (0, None):
-            self._warn(
-                f"the world_size={world_size} rank set exited with {describe_exit(code)} after its last "
-                f"test; output: {rank_set.output_path}"
-            )
-        elif code is None:
+        if code is None:
             self._warn(
                 f"the world_size={world_size} rank set did not exit {EXIT_WAIT_S:g} s after its last "
                 "test; killed"
             )
+        elif code != 0:
+            abnormal = _abnormal_exits(rank_set)
+            if abnormal:
+                self._warn(
+                    f"the world_size={world_size} rank set ended abnormally after its last test "
+                    f"({abnormal}); output: {rank_set.output_path}"
+                )
         self._close(world_size)
 
     def _warn(self, text: str) -> None:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"megatron-fsdp: {text}", yellow=True)
+        if reporter is None:
+            return
+        reporter.ensure_newline()
+        if reporter._tw.width_of_current_line:  # -q writes progress letters with no path to end
+            reporter._tw.line()
+        reporter.write_line(f"megatron-fsdp: {text}", yellow=True)
 
     def _collect_reports(self, item: pytest.Item, rank_set: RankSet) -> list[pytest.TestReport]:
         timeout = spec_of(item).timeout_s
@@ -289,6 +296,30 @@ class Controller:
             duration=0.0,
             user_properties=list(item.user_properties),
         )
+
+
+#: a rank's pytest exit code that says only "some tests failed": those failures are reported already
+_TESTS_FAILED = 1
+#: how torchrun stops the other ranks once one has exited non-zero
+_STOPPED_BY_TORCHRUN = -int(signal.SIGTERM)
+
+
+def _abnormal_exits(rank_set: RankSet) -> str:
+    """Why a rank set's non-zero exit after its last test is worth a note ("" when it is not).
+
+    A rank's pytest exits 1 when any of its tests failed, and torchrun then stops the other ranks
+    (SIGTERM) and exits non-zero itself: the normal end of a batch with failures, which the test
+    reports already show. Anything else (an internal error, another signal, a rank set with no
+    rank exit codes in torchrun's output) is not.
+    """
+    exits, _ = rank_set.rank_exits()
+    described = ", ".join(f"rank {rank}: {describe_exit(code)}" for rank, code in sorted(exits.items()))
+    if not exits:
+        return f"torchrun {describe_exit(rank_set.proc.returncode or 0)}, no rank exit codes in its output"
+    codes = set(exits.values())
+    if _TESTS_FAILED in codes and codes <= {_TESTS_FAILED, _STOPPED_BY_TORCHRUN}:
+        return ""
+    return described
 
 
 def _report_from_event(config: pytest.Config, data: dict[str, Any]) -> pytest.TestReport:

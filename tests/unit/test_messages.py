@@ -1,0 +1,153 @@
+"""Failure output a person reads at a glance: one traceback for an error every rank raised alike,
+no note about a rank set that ended normally, the note on its own line when one did not, and no
+log line the CPU emulation causes.
+
+Pure parts (the merged failure text, the log filter) on their own; then two plain-mode sessions of
+2 CPU ranks (pytester), checked as a user would read them.
+"""
+
+import logging
+from pathlib import Path
+
+from pytest_megatron_fsdp.harness.agreement import error_signature, failure_text
+from pytest_megatron_fsdp.plugin import EMULATED_DEVICE_WARNING, MEGATRON_FSDP_LOGGERS
+
+LOGS = Path("/logs")
+TRACEBACK = """\
+dist_env = DistEnv(rank={rank}, world_size=2)
+run = <pytest_megatron_fsdp.fsdp.training.TrainingRun object at 0x7f{address}>
+
+    def test_x(dist_env, run):
+>       assert run.loss < 1, "the loss is 4.2"
+E       AssertionError: the loss is 4.2
+E       assert 4.2 < 1
+E        +  where 4.2 = <TrainingRun object at 0x7f{address}>.loss
+
+test_x.py:9: AssertionError"""
+
+
+def test_an_error_every_rank_raised_alike_is_shown_once_with_every_log():
+    text = failure_text(
+        {0: TRACEBACK.format(rank=0, address="aa11ee"), 1: TRACEBACK.format(rank=1, address="bb22ff")},
+        [],
+        LOGS,
+    )
+    lines = text.splitlines()
+    assert lines[0] == "failed on ranks 0, 1 (same error)"
+    assert lines[1] == "---------- ranks 0, 1 (logs: /logs/rank0.log, /logs/rank1.log) ----------"
+    assert text.count("E       AssertionError: the loss is 4.2") == 1
+    assert "DistEnv(rank=0" in text and "DistEnv(rank=1" not in text  # rank 0's own traceback
+
+
+def test_different_errors_are_each_shown_under_their_ranks():
+    other = TRACEBACK.format(rank=2, address="cc").replace("the loss is 4.2", "the loss is nan")
+    text = failure_text(
+        {0: TRACEBACK.format(rank=0, address="aa"), 1: other, 3: TRACEBACK.format(rank=3, address="dd")},
+        [2],
+        LOGS,
+    )
+    lines = text.splitlines()
+    assert lines[0] == "failed on ranks 0, 1, 3 (passed on 2)"
+    assert "---------- ranks 0, 3 (logs: /logs/rank0.log, /logs/rank3.log) ----------" in lines
+    assert "---------- rank 1 (log: /logs/rank1.log) ----------" in lines
+    assert text.count("E       AssertionError: the loss is 4.2") == 1
+    assert text.count("E       AssertionError: the loss is nan") == 1
+
+
+def test_one_failing_rank_reads_as_before():
+    text = failure_text({1: "boom"}, [0], LOGS)
+    assert text.splitlines() == [
+        "failed on rank 1 (passed on 0)",
+        "---------- rank 1 (log: /logs/rank1.log) ----------",
+        "boom",
+    ]
+
+
+def test_the_error_signature_is_the_exception_and_where_it_was_raised():
+    a, b = TRACEBACK.format(rank=0, address="aa"), TRACEBACK.format(rank=1, address="bb")
+    assert a != b and error_signature(a) == error_signature(b)
+    assert error_signature(a) == "E       AssertionError: the loss is 4.2\ntest_x.py:9: AssertionError"
+    assert error_signature(a.replace("test_x.py:9", "test_x.py:10")) != error_signature(a)
+    # without pytest's E-lines (--tb=native): the whole text, addresses masked
+    native = 'File "x.py", line 3, in f\nValueError: <object at 0x7f1234>'
+    assert error_signature(native) == 'File "x.py", line 3, in f\nValueError: <object at 0x?>'
+
+
+def test_the_emulations_device_warning_is_dropped_and_nothing_else():
+    def record(message):
+        return logging.LogRecord(MEGATRON_FSDP_LOGGERS[0], logging.WARNING, "m.py", 1, message, None, None)
+
+    emulated = (
+        "[Rank 0] Megatron-FSDP is using device cpu instead of the current device cuda:0, which may cause "
+        "process-to-device mapping issues"
+    )
+    assert not EMULATED_DEVICE_WARNING.filter(record(emulated))
+    assert EMULATED_DEVICE_WARNING.filter(record(emulated.replace("device cpu", "device cuda:1")))
+    assert EMULATED_DEVICE_WARNING.filter(record("Megatron-FSDP ran out of memory"))
+
+
+FAILURES = """
+import pytest
+
+pytestmark = pytest.mark.distributed(world_size=2)
+
+
+def test_same_everywhere(megatron_fsdp_run, run_config, dist_env):
+    megatron_fsdp_run(run_config).train(1)  # Megatron-FSDP built: its device warning would be logged
+    assert dist_env.world_size == 3, "every rank sees 2 ranks"
+
+
+def test_differs_per_rank(dist_env):
+    raise RuntimeError(f"rank {dist_env.rank} has its own reason")
+
+
+def test_fine():
+    pass
+"""
+
+
+def test_a_failing_batch_reads_at_a_glance(pytester):
+    pytester.makepyfile(test_failures=FAILURES)
+    result = pytester.runpytest_subprocess(
+        "-q", "--mfsdp-platform=cpu", "--mfsdp-log-dir=logs", "-p", "no:cacheprovider", timeout=300
+    )
+    result.assert_outcomes(failed=2, passed=1)
+    out = result.stdout.str()
+    logs = pytester.path / "logs"
+
+    same = out[out.index("_ test_same_everywhere _") : out.index("_ test_differs_per_rank _")]
+    assert "failed on ranks 0, 1 (same error)" in same
+    assert same.count("AssertionError: every rank sees 2 ranks") == 1
+    assert "(logs: logs/batch1-world2/rank0.log, logs/batch1-world2/rank1.log)" in same
+
+    differs = out[out.index("_ test_differs_per_rank _") :]
+    assert "failed on ranks 0, 1\n" in differs and "(same error)" not in differs
+    assert "RuntimeError: rank 0 has its own reason" in differs
+    assert "RuntimeError: rank 1 has its own reason" in differs
+
+    # the emulation's device warning is not in the report (nor in the ranks' logs)
+    assert "instead of the current device" not in out
+    assert "instead of the current device" not in (logs / "batch1-world2" / "rank1.log").read_text()
+    # failed tests end their rank set normally (pytest exits 1): nothing more to say about it
+    assert "rank set ended" not in out and "exited with" not in out
+
+
+def test_a_rank_set_that_ends_abnormally_gets_a_note_on_its_own_line(pytester):
+    pytester.makeconftest(
+        "import os\n"
+        "def pytest_sessionfinish(session):\n"
+        "    if os.environ.get('RANK') == '1':\n"
+        "        os._exit(7)\n"
+    )
+    pytester.makepyfile("import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_ok():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "-q", "--mfsdp-platform=cpu", "-p", "no:cacheprovider", timeout=300
+    )
+    result.assert_outcomes(passed=1)
+    notes = [line for line in result.stdout.lines if "rank set ended" in line]
+    assert len(notes) == 1, result.stdout.lines
+    # rank 1's exit makes torchrun stop rank 0 too; the note names both
+    assert notes[0].startswith(
+        "megatron-fsdp: the world_size=2 rank set ended abnormally after its last test ("
+    )
+    assert "rank 1: exit code 7" in notes[0]
