@@ -37,11 +37,19 @@ VENV        ?= .venv-$(STACK)
 VENV_FLAGS  ?=
 NPROC       ?= 2
 PYTEST_ARGS ?=
+# What `make test` / `make smoke` run (the repo's own by default).
+TESTS       ?= tests
+FUNCTIONAL  ?= tests/functional
+SEED_TEST   ?= tests/functional/test_megatron_fsdp.py
 
 PY       := $(VENV)/bin/python
-# torchrun leaves a torchelastic_* dir in $$TMPDIR on every run: give it one that is removed after.
-TORCHRUN := scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && TMPDIR=$$scratch \
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
+# Every run gets a $$TMPDIR that is removed after it, so nothing is left in the caller's: torchrun's
+# torchelastic_* dirs, pytest's basetemp (pytest-of-<user>, which the suite's pytester sessions fill),
+# torch's inductor cache (megatron-core 0.19 makes one on import). The rank logs are kept
+# (.pytest_cache/d/mfsdp-logs).
+SCRATCH  := scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && TMPDIR=$$scratch
+PYTEST   := $(SCRATCH) $(PY) -m pytest
+TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 # What the venv was built from: a change of any of these rebuilds the installs.
 SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) extras=$(EXTRAS) flags=$(VENV_FLAGS)
 
@@ -67,19 +75,19 @@ stack:
 
 # The main job: the functional suite on 2 ranks (GPUs over NCCL when there are 2, else CPU ranks).
 smoke: venv
-	$(TORCHRUN) -m pytest tests/functional -v $(PYTEST_ARGS)
+	$(TORCHRUN) -m pytest $(FUNCTIONAL) -v $(PYTEST_ARGS)
 
 # Everything the repo tests, as plain pytest (the plugin launches the rank sets itself), then the
 # seed's smoke test once more under torchrun, the way GPU runners launch it.
 test: venv
-	$(PY) -m pytest tests $(PYTEST_ARGS)
-	$(TORCHRUN) -m pytest tests/functional/test_megatron_fsdp.py $(PYTEST_ARGS)
+	$(PYTEST) $(TESTS) $(PYTEST_ARGS)
+	$(TORCHRUN) -m pytest $(SEED_TEST) $(PYTEST_ARGS)
 
 unit: venv
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PYTEST) tests/unit $(PYTEST_ARGS)
 
 functional: venv
-	$(PY) -m pytest tests/functional $(PYTEST_ARGS)
+	$(PYTEST) $(FUNCTIONAL) $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -12,6 +12,9 @@ where a collected test needs them.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,6 +58,23 @@ MEGATRON_FSDP_LOGGERS = (
 )
 
 _RANK_PLUGIN = "mfsdp-rank"
+#: a torchrun-mode rank's private temp tree (pytest's basetemp, torch's inductor cache), removed at exit
+_RANK_TEMP = pytest.StashKey[Path]()
+
+
+def _private_temp(config: pytest.Config, torchrun: TorchrunEnv) -> None:
+    """Give a torchrun-mode rank a temp tree of its own in ``$TMPDIR``, removed when it ends.
+
+    Importing megatron-core 0.19 makes torch's inductor cache dir (``$TMPDIR/torchinductor_<user>``),
+    and pytest's basetemp would be ``$TMPDIR/pytest-of-<user>``: both would stay behind after every
+    run. Set before any conftest or test module imports megatron; a cache dir the user chose
+    (``TORCHINDUCTOR_CACHE_DIR``) is kept as it is.
+    """
+    private = Path(tempfile.mkdtemp(prefix=f"mfsdp-rank{torchrun.rank}-"))
+    config.stash[_RANK_TEMP] = private
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(private / "torchinductor"))
+
+
 _CONTROLLER = "mfsdp-controller"
 PLATFORM = pytest.StashKey[PlatformChoice]()
 
@@ -70,6 +90,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     torchrun = TorchrunEnv.from_environ()
     if torchrun is None:
         return
+    if not protocol.launched_by_parent(early_config):
+        _private_temp(early_config, torchrun)
     choice = select_platform(options.resolve(early_config, "platform"), torchrun.local_world_size)
     if choice.platform == "cpu":
         from .harness import cuda_emulation
@@ -92,6 +114,16 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         # dir (two ranks must not share one basetemp; the parent removes the batch dir). Set before
         # pytest_configure, where pytest reads it.
         config.option.basetemp = str(protocol.batch_dir(config) / f"tmp-rank{torchrun.rank}")
+    elif torchrun is not None:
+        # torchrun mode: every rank would number its own pytest-of-<user>/pytest-N in $TMPDIR (racing
+        # the others) and leave it. An explicit --basetemp is split per rank and kept; otherwise the
+        # rank's private temp tree holds it and goes at the session's end.
+        if config.option.basetemp:
+            given = Path(config.option.basetemp)
+            given.mkdir(parents=True, exist_ok=True)  # pytest makes the rank's dir, not its parents
+            config.option.basetemp = str(given / f"rank{torchrun.rank}")
+        else:
+            config.option.basetemp = str(config.stash[_RANK_TEMP] / "basetemp")
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter and the cache exist
@@ -205,6 +237,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     if controller is not None:
         controller.close_all()  # also after an interrupted session: no rank set outlives pytest
+    private = config.stash.get(_RANK_TEMP, None)
+    if private is not None:
+        shutil.rmtree(private, ignore_errors=True)
     if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
         from .harness import cuda_emulation
 
