@@ -107,6 +107,12 @@ def test_strategy_matches_ddp_baseline(
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("overlap", [True, False])
 def test_no_shard(known_bug, megatron_fsdp_run, run_config, dist_env, ddp_losses, overlap):
+    """no_shard trains to DDP's losses.
+
+    Known upstream bug before megatron-core 0.18 (no_shard_param_sync): with
+    overlap_param_gather=False, MegatronFSDP.start_param_sync calls fetch_bucket on the weight
+    buffer no_shard does not have ('NoneType' object has no attribute 'fetch_bucket').
+    """
     if not overlap:
         known_bug(versions.NO_SHARD_PARAM_SYNC)
     run_config.ddp.data_parallel_sharding_strategy = "no_shard"
@@ -143,6 +149,12 @@ def test_gradient_accumulation_four_microbatches(megatron_fsdp_run, run_config, 
 
 @pytest.mark.distributed(world_size=2, tp=2)
 def test_tensor_parallel_2(known_bug, megatron_fsdp_run, run_config):
+    """tp=2 on 2 ranks trains.
+
+    Known upstream bug before megatron-core 0.18 without Transformer Engine
+    (tensor_parallel_without_te): FullyShardedDataParallel._fix_tensor_parallel_attributes does
+    isinstance(m, (TELinear,)) with TELinear None, a TypeError.
+    """
     known_bug(versions.TENSOR_PARALLEL_WITHOUT_TE, raises=TypeError)
     assert run_config.model.tensor_model_parallel_size == 2
     result = megatron_fsdp_run(run_config).train(ITERS)
@@ -162,9 +174,20 @@ def test_bf16_trains_with_finite_loss(megatron_fsdp_run, run_config):
 
 @pytest.mark.distributed(world_size=2)
 def test_meta_device_init_trains_and_is_materialised(request, megatron_fsdp_run, run_config):
+    """Bridge's perf harness builds on the meta device; Megatron-FSDP materialises each module.
+
+    Expected to fail where the local layer spec cannot be materialised (a feature check, not a
+    version): Megatron-FSDP calls reset_parameters per module, and the local (non-Transformer-Engine)
+    VocabParallelEmbedding has none, so the wrapper raises ValueError (versions.META_INIT_LOCAL_SPEC).
+    """
     if versions.meta_init_unsupported_by_local_spec():
         request.applymarker(
-            pytest.mark.xfail(raises=ValueError, strict=True, reason=versions.META_INIT_LOCAL_SPEC)
+            pytest.mark.xfail(
+                raises=ValueError,
+                strict=True,
+                reason="meta-device init: the local VocabParallelEmbedding has no reset_parameters "
+                "(see the test's docstring)",
+            )
         )
     apply_perf_harness_overrides(run_config)
     assert run_config.model.init_model_with_meta_device
@@ -197,6 +220,12 @@ def test_torch_fsdp2_wrapper_is_constructed_with_process_group(megatron_fsdp_run
 
 @pytest.mark.distributed(world_size=2)
 def test_torch_fsdp2_trains(known_bug, megatron_fsdp_run, run_config):
+    """FSDP2 through megatron-core's TorchFullyShardedDataParallel trains.
+
+    Known upstream bug before megatron-core 0.19 (fsdp2_finish_grad_sync): finalize_model_grads
+    calls finish_grad_sync(force_all_reduce=...), which TorchFullyShardedDataParallel does not take
+    (TypeError after the first backward).
+    """
     known_bug(versions.FSDP2_FINISH_GRAD_SYNC, raises=TypeError)
     # Tied embeddings: the output layer would use the embedding's sharded DTensor weight outside
     # its FSDP unit ("mixed torch.Tensor and DTensor", measured); Bridge's reference model unties them.

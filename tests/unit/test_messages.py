@@ -151,3 +151,25 @@ def test_a_rank_set_that_ends_abnormally_gets_a_note_on_its_own_line(pytester):
         "megatron-fsdp: the world_size=2 rank set ended abnormally after its last test ("
     )
     assert "rank 1: exit code 7" in notes[0]
+
+
+def test_xfail_reasons_are_short_and_name_the_bug_and_its_upstream_reference():
+    import importlib.util
+
+    from pytest_megatron_fsdp.fsdp.versions import KNOWN_BUGS
+
+    spec = importlib.util.spec_from_file_location(
+        "functional_conftest", Path(__file__).parents[1] / "functional" / "conftest.py"
+    )
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    for name, bug in KNOWN_BUGS.items():
+        reason = conftest.short_reason(bug)
+        assert len(reason) <= 100, reason
+        assert reason.startswith(f"upstream bug {name} (")
+        assert ("PR #" in reason or "issue #" in reason) and (
+            "fixed in" in reason or "no fix released" in reason
+        )
+    assert conftest.short_reason(KNOWN_BUGS["no_shard_param_sync"]) == (
+        "upstream bug no_shard_param_sync (Megatron-LM PR #3754; fixed in megatron-core 0.18)"
+    )
