@@ -91,22 +91,23 @@ def summary_lines(records: Sequence[RunRecord], verbosity: int = 0) -> list[str]
 
 
 def compact_lines(records: Sequence[RunRecord]) -> list[str]:
-    """One line per test: its last run's loss (first → last, the curve) and speed; earlier runs
-    of the same test are counted, not shown (``-v`` shows each)."""
+    """One line per test, figures first (aligned) and the test id last: its last run's loss
+    (first → last, the curve), speed and what ran; earlier runs of the test are counted, not
+    shown (``-v`` shows each)."""
     by_test: dict[str, list[RunRecord]] = {}
     for r in records:
         by_test.setdefault(r.nodeid, []).append(r)
     rows = []
     for nodeid, runs in by_test.items():
         r = runs[-1]
-        more = f" (+{len(runs) - 1} run{'s' if len(runs) > 2 else ''})" if len(runs) > 1 else ""
+        more = f" +{len(runs) - 1} run{'s' if len(runs) > 2 else ''}" if len(runs) > 1 else ""
         rows.append(
             (
-                nodeid,
-                f"{r.platform}/{r.preset} {r.strategy}{more}",
                 f"{fmt_number(r.first_loss, '.4f')} → {fmt_number(r.last_loss, '.4f')}",
                 sparkline(r.losses, width=12),
                 f"{fmt_number(r.ms_per_step, '.1f')} ms/step",
+                f"{r.platform}/{r.preset} {r.strategy}{more}",
+                nodeid,
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))] if rows else []
@@ -234,10 +235,12 @@ def junit_properties(record: RunRecord, index: int = 0) -> list[tuple[str, str]]
     return [(prefix + k, fmt_number(v)) for k, v in figures.items() if v is not None]
 
 
-#: plot geometry (inches): width of the axes, and of one legend column
-PLOT_AXES_WIDTH, PLOT_LEGEND_COLUMN_WIDTH, PLOT_ROW_HEIGHT = 9.0, 4.6, 0.19
-#: legend entries per column before a second column opens
-PLOT_ENTRIES_PER_COLUMN = 24
+#: plot geometry, in inches: the axes of a panel, a legend line, the width of a legend character
+PLOT_AXES_WIDTH, PLOT_MIN_AXES_HEIGHT, PLOT_LINE_HEIGHT, PLOT_CHAR_WIDTH = 6.5, 2.6, 0.155, 0.058
+#: legend labels wrap at this many characters (continuation lines indented), so none is cut or huge
+PLOT_LABEL_WIDTH = 72
+#: legend lines per column before a second column opens
+PLOT_LINES_PER_COLUMN = 40
 
 
 def plot_groups(records: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
@@ -249,9 +252,31 @@ def plot_groups(records: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
 
 
 def plot_label(record: RunRecord) -> str:
-    """A run's legend entry: the test (class and parameters included) and what it ran."""
+    """A run's legend entry: the test (class and parameters included) and what it ran, never
+    shortened; lines longer than :data:`PLOT_LABEL_WIDTH` characters wrap (see :func:`wrap_id`)."""
     test = record.nodeid.split("::", 1)[-1]
-    return f"{test} ({record.strategy}, {record.preset})"
+    return wrap_id(f"{test} ({record.strategy}, {record.preset})", PLOT_LABEL_WIDTH)
+
+
+#: where a long test id may break, best first: between words, between parameters, within a name
+_BREAKS = (" ", "[]-,(", "_/:.")
+
+
+def wrap_id(text: str, width: int) -> str:
+    """``text`` in lines of at most ``width`` characters, continuation lines indented; each break
+    falls after the best separator in the line's second half (a space, then ``[``, ``-``, ...,
+    then ``_``), else at the width."""
+    lines = []
+    while len(text) > width:
+        cut = width
+        for separators in _BREAKS:
+            found = [i + 1 for i, ch in enumerate(text[:width]) if ch in separators and i + 1 > width // 2]
+            if found:
+                cut = found[-1]
+                break
+        lines.append(text[:cut].rstrip())
+        text = "  " + text[cut:].lstrip()
+    return "\n".join([*lines, text])
 
 
 def write_plot(path: Path, records: Sequence[RunRecord]) -> str:
@@ -277,31 +302,40 @@ def write_plot(path: Path, records: Sequence[RunRecord]) -> str:
 
 
 def plot_figure(records: Sequence[RunRecord]) -> Any:
-    """The loss plot's matplotlib figure (see :func:`write_plot`); needs matplotlib."""
+    """The loss plot's matplotlib figure (see :func:`write_plot`); needs matplotlib.
+
+    Laid out in inches, panel by panel: every panel's axes are equally wide, each at least
+    :data:`PLOT_MIN_AXES_HEIGHT` and as tall as its legend, and the figure as wide as the widest
+    legend needs.
+    """
     import matplotlib.pyplot as plt
 
     groups = plot_groups(records)
-    heights = [
-        max(2.8, PLOT_ROW_HEIGHT * min(len(runs), PLOT_ENTRIES_PER_COLUMN) + 0.9) for runs in groups.values()
-    ]
-    columns = max(-(-len(runs) // PLOT_ENTRIES_PER_COLUMN) for runs in groups.values())
-    fig, axes = plt.subplots(
-        len(groups),
-        1,
-        figsize=(PLOT_AXES_WIDTH + PLOT_LEGEND_COLUMN_WIDTH * columns, sum(heights)),
-        gridspec_kw={"height_ratios": heights},
-        squeeze=False,
-    )
+    panels = []  # (file, runs, labels, legend columns, panel height)
+    for file, runs in groups.items():
+        labels = [plot_label(r) for r in runs]
+        lines = sum(label.count("\n") + 1 for label in labels)
+        columns = -(-lines // PLOT_LINES_PER_COLUMN)
+        height = max(PLOT_MIN_AXES_HEIGHT, PLOT_LINE_HEIGHT * -(-lines // columns) + 0.2)
+        panels.append((file, runs, labels, columns, height))
+    widest = max(max(len(line) for label in p[2] for line in label.split("\n")) for p in panels)
+    legend_width = max(p[3] for p in panels) * (widest * PLOT_CHAR_WIDTH + 0.6)
+    left, gap, top, space = 0.8, 0.25, 0.85, 0.75  # margins; space: below each panel (x label, title)
+    width = left + PLOT_AXES_WIDTH + gap + legend_width
+    height = top + sum(p[4] + space for p in panels)
+    fig = plt.figure(figsize=(width, height))
     colors = plt.get_cmap("tab10").colors
     styles = ("-", "--", ":", "-.")
-    for ax, (file, runs) in zip(axes[:, 0], groups.items(), strict=True):
-        for i, r in enumerate(runs):
+    y = height - top
+    for file, runs, labels, columns, panel_height in panels:
+        y -= panel_height
+        ax = fig.add_axes((left / width, y / height, PLOT_AXES_WIDTH / width, panel_height / height))
+        y -= space
+        for i, (r, label) in enumerate(zip(runs, labels, strict=True)):
             # NaN points leave gaps in the line; mark them on the x axis so they are not hidden.
             xs = list(range(1, len(r.losses) + 1))
             style = styles[(i // len(colors)) % len(styles)]
-            (line,) = ax.plot(
-                xs, r.losses, style, marker=".", color=colors[i % len(colors)], label=plot_label(r)
-            )
+            (line,) = ax.plot(xs, r.losses, style, marker=".", color=colors[i % len(colors)], label=label)
             bad = [x for x, v in zip(xs, r.losses, strict=True) if not math.isfinite(v)]
             if bad:
                 # x in data units, y at the bottom of the axes: visible whatever the finite losses' scale
@@ -317,21 +351,24 @@ def plot_figure(records: Sequence[RunRecord]) -> Any:
         ax.set_title(f"{file} ({len(runs)} run{'s' if len(runs) != 1 else ''})", fontsize=10, loc="left")
         ax.set_xlabel("iteration", fontsize=9)
         ax.set_ylabel("lm loss", fontsize=9)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(
             fontsize=7.5,
             loc="upper left",
-            bbox_to_anchor=(1.01, 1.0),
+            bbox_to_anchor=(1.0 + gap / PLOT_AXES_WIDTH, 1.0),
             borderaxespad=0.0,
-            ncol=-(-len(runs) // PLOT_ENTRIES_PER_COLUMN),
+            ncol=columns,
             frameon=False,
         )
     fig.suptitle(
         f"megatron-fsdp training runs: {len(records)} run{'s' if len(records) != 1 else ''} "
         "(x on the axis: non-finite loss)",
         fontsize=11,
+        x=left / width,
+        y=1 - 0.2 / height,
+        ha="left",
     )
-    fig.tight_layout()
     return fig
 
 

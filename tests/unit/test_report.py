@@ -19,6 +19,7 @@ from pytest_megatron_fsdp.reporting.report import (
     sparkline,
     summary_lines,
     table_lines,
+    wrap_id,
     write_json,
     write_plot,
 )
@@ -181,14 +182,15 @@ def test_report_and_metrics_modules_load_without_torch():
 def test_quiet_summary_is_one_line_per_test():
     runs = [
         record([4.9, 4.5, 4.2], nodeid="t.py::test_one"),
-        record([4.9, 4.4], nodeid="t.py::test_two", strategy="ddp"),
-        record([4.9, NAN], nodeid="t.py::test_two", last_loss=NAN),
+        record([4.9, 4.4], nodeid="t.py::test_two_with_a_longer_name", strategy="ddp"),
+        record([4.9, NAN], nodeid="t.py::test_two_with_a_longer_name", last_loss=NAN),
     ]
     lines = summary_lines(runs, verbosity=-1)
     assert len(lines) == 2
-    assert lines[0].startswith("t.py::test_one ") and "4.9000 → 4.2000" in lines[0] and "█▄▁" in lines[0]
-    assert lines[1].startswith("t.py::test_two ")
-    assert "(+1 run)" in lines[1] and "4.9000 → NaN" in lines[1] and NAN_MARK in lines[1]  # the last run
+    assert lines[0].startswith("4.9000 → 4.2000  █▄▁") and lines[0].endswith("  t.py::test_one")
+    assert lines[1].endswith("  t.py::test_two_with_a_longer_name")
+    assert "optim_grads_params +1 run" in lines[1] and "4.9000 → NaN" in lines[1] and NAN_MARK in lines[1]
+    assert lines[0].index("ms/step") == lines[1].index("ms/step")  # figures aligned, ids last
     assert "max RSS" not in "\n".join(lines)  # details stay in the tables
 
 
@@ -209,7 +211,7 @@ def test_plot_names_every_run_in_a_panel_per_test_file():
         for i in range(50)
     ]
     runs[7] = record([4.9, NAN], nodeid="a/test_f.py::test_nan")
-    fig = plot_figure(runs)
+    fig, single = plot_figure(runs), plot_figure(runs[:1])
     try:
         panels = fig.axes
         assert [ax.get_title(loc="left") for ax in panels] == [  # in the order the files first ran
@@ -222,12 +224,26 @@ def test_plot_names_every_run_in_a_panel_per_test_file():
         assert len(curves) == 50
         in_a = [line for line in panels[1].get_lines() if not line.get_label().startswith("_")]
         assert len({(line.get_color(), line.get_linestyle()) for line in in_a}) == 33  # no two alike
-        # the figure is sized for its legends: 33 runs need a second legend column
-        assert fig.get_size_inches()[0] > 9.0 + 2 * 4.5
+        # every panel's axes are as wide, however long its legend; a panel is as tall as its legend
+        widths = {round(ax.get_position().width * fig.get_size_inches()[0], 6) for ax in panels}
+        assert widths == {round(single.axes[0].get_position().width * single.get_size_inches()[0], 6)}
+        heights = [ax.get_position().height * fig.get_size_inches()[1] for ax in panels]
+        assert heights[1] > heights[0] >= single.axes[0].get_position().height * single.get_size_inches()[1]
     finally:
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+        plt.close(single)
+
+
+def test_long_test_ids_wrap_at_separators_and_lose_nothing():
+    name = "test_bad_checkpoint_is_refused[directory missing-checkpoint directory does not exist] (ddp, tiny)"
+    wrapped = wrap_id(name, 40)
+    lines = wrapped.split("\n")
+    assert all(len(line) <= 40 for line in lines)
+    assert "".join(line.strip() for line in lines).replace(" ", "") == name.replace(" ", "")
+    assert lines[0] == "test_bad_checkpoint_is_refused["  # broken after a separator, not mid-word
+    assert wrap_id("short (ddp, tiny)", 40) == "short (ddp, tiny)"
 
 
 def test_plot_png_holds_every_legend_label(tmp_path):
