@@ -47,7 +47,8 @@ PY       := $(VENV)/bin/python
 # torchelastic_* dirs, pytest's basetemp (pytest-of-<user>, which the suite's pytester sessions fill),
 # torch's inductor cache (megatron-core 0.19 makes one on import). The rank logs are kept
 # (.pytest_cache/d/mfsdp-logs).
-SCRATCH  := scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && TMPDIR=$$scratch
+SCRATCH  := scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && trap 'exit 130' INT && \
+	trap 'exit 143' TERM && TMPDIR=$$scratch
 PYTEST   := $(SCRATCH) $(PY) -m pytest
 TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 # What the venv was built from: a change of any of these rebuilds the installs.
