@@ -220,6 +220,15 @@ def test_plot_names_every_run_in_a_panel_per_test_file():
         ]
         labels = [t.get_text() for ax in panels for t in ax.get_legend().get_texts()]
         assert sorted(labels) == sorted(plot_label(r) for r in runs)  # every run named, once
+
+        def squeezed(text):
+            return "".join(text.split())
+
+        # ... in full: its test (parameters included), strategy and preset, whatever the wrapping
+        named = sorted(squeezed(label) for label in labels)
+        assert named == sorted(
+            squeezed(f"{r.nodeid.split('::', 1)[1]} ({r.strategy}, {r.preset})") for r in runs
+        )
         curves = [line for ax in panels for line in ax.get_lines() if not line.get_label().startswith("_")]
         assert len(curves) == 50
         in_a = [line for line in panels[1].get_lines() if not line.get_label().startswith("_")]
@@ -251,7 +260,11 @@ def test_plot_png_holds_every_legend_label(tmp_path):
     pytest.importorskip("matplotlib")
     from matplotlib import image
 
-    long_name = "test_" + "x" * 120
+    assert "".join(plot_label(record([4.9], nodeid="t.py::test_" + "x" * 120 + "[param]")).split()).endswith(
+        "x[param](optim_grads_params,tiny)"
+    )  # the label keeps all of the id
+
+    long_name = "test_" + "x" * 120 + "[param]"
     path = tmp_path / "loss.png"
     write_plot(path, [record([4.9, 4.5], nodeid=f"t.py::{long_name}")])
     fig = plot_figure([record([4.9, 4.5], nodeid=f"t.py::{long_name}")])
