@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from . import flight_recorder
 from .launcher import RankSet, describe_exit
 from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, log_dir, spec_of
 
@@ -231,6 +232,7 @@ class Controller:
                 f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
                 "and the rank set was killed"
             )
+            lines += self._collectives(rank_set)
         died = {r: c for r, c in exits.items() if c != TIMEOUT_EXIT_CODE}
         if died and not timed_out:
             order = ([root] if root in died else []) + sorted(r for r in died if r != root)
@@ -258,6 +260,20 @@ class Controller:
         lines.append(f"---------- torchrun output (tail; whole: {rank_set.output_path}) ----------")
         lines.append(tail.rstrip())
         return "\n".join(lines)
+
+    def _collectives(self, rank_set: RankSet) -> list[str]:
+        """Who is stuck where, from the ranks' flight-recorder dumps (written as they timed out)."""
+        traces = {}
+        for rank in range(rank_set.world_size):
+            trace = flight_recorder.load(rank_set.log_dir / f"rank{rank}.fr")
+            if trace is not None:
+                traces[rank] = trace
+        aligned = flight_recorder.align(traces, time.time_ns())
+        if not aligned:
+            return []
+        return ["collectives (c10d flight recorder; raw records: rank<R>.fr beside the logs):"] + [
+            f"  {line}" for line in aligned
+        ]
 
     def _failure(
         self,

@@ -30,6 +30,7 @@ from typing import IO, Any
 import pytest
 from _pytest.runner import runtestprotocol
 
+from . import flight_recorder
 from .agreement import merge_reports, summarise
 from .protocol import (
     BATCH_FILE_DEST,
@@ -222,6 +223,9 @@ class RankPlugin:
         def expire() -> None:
             if done.wait(timeout):
                 return
+            # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
+            # exits): torch's record of this rank's collectives, beside its log, for the parent to align.
+            flight_recorder.dump(self.log_path.with_suffix(".fr"))
             banner = (
                 f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {self.rank}; "
                 "stacks of every thread follow, then the rank is ended (a rank stuck in a collective "

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ..environment import DistEnv
+from . import flight_recorder
 from .platform import PlatformChoice
 
 #: this rank's session (None until a collected test needs one, and after it closed)
@@ -148,6 +149,9 @@ class RankSession:
         shared_root: str | None = None,
     ) -> RankSession:
         """Bring up the process group on ``choice``'s platform (CPU emulation already enabled)."""
+        # Before the first process group: torch's flight recorder then records every collective
+        # (a hang report names who is missing from which one).
+        flight_recorder.enable(os.environ)
         import torch
         import torch.distributed as dist
 

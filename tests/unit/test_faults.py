@@ -259,3 +259,47 @@ def test_fine(dist_env):
     log = pytester.path / ".pytest_cache/d/mfsdp-logs/torchrun/rank1.log"
     assert "rank 1 says no" in log.read_text()  # logged by rank 1 the moment it failed
     assert str(log) in text  # and the report points at it
+
+
+def test_a_hang_report_names_who_is_missing_from_which_collective(pytester, isolated_tmp):
+    """The c10d flight recorder, aligned across ranks: the timeout report says which rank never
+    entered the collective another waits in, and which collectives differ across ranks."""
+    pytester.makepyfile(
+        test_stuck="""
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, timeout=6)
+def test_rank1_skips_the_broadcast(dist_env):
+    dist.all_reduce(torch.ones(2))
+    if dist_env.rank == 1:
+        time.sleep(3600)
+    dist.broadcast(torch.ones(3), src=0)
+
+@pytest.mark.distributed(world_size=2, timeout=6)
+def test_ranks_disagree_on_the_collective(dist_env):
+    if dist_env.rank == 0:
+        dist.broadcast(torch.ones(3), src=0)
+    else:
+        dist.all_reduce(torch.ones(5))
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=180)
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    skipped = out[
+        out.index("test_rank1_skips_the_broadcast _") : out.index("test_ranks_disagree_on_the_collective _")
+    ]
+    assert "collectives (c10d flight recorder" in skipped
+    assert "rank 0: last completed #1 (all_reduce, default_pg, sizes [[2]]); in #2 (broadcast" in skipped
+    assert (
+        "rank 1 never entered collective #2 (broadcast, default_pg) that rank 0 has waited in for" in skipped
+    )
+    disagree = out[out.index("test_ranks_disagree_on_the_collective _") :]
+    assert (
+        "collective #1 in default_pg differs across ranks: rank 0 broadcast [[3]], rank 1 all_reduce [[5]]"
+        in disagree
+    )
+    assert _processes_mentioning(str(pytester.path)) == []
