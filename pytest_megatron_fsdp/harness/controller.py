@@ -56,21 +56,22 @@ class Controller:
             return current
         if current is not None:
             self._close(world_size)
-        items = self.config.stash[_SESSION_ITEMS]
-        start = items.index(item)
         batch = [
             i
-            for i in items[start:]
+            for i in self._upcoming(item)
             if (spec := spec_of(i)) is not None
             and UNHOSTABLE not in i.stash
             and spec.world_size == world_size
         ]
         files = list(dict.fromkeys(str(i.path) for i in batch))
         self._batches += 1
-        logs = self.log_dir(f"batch{self._batches}-world{world_size}")
+        # pytest-xdist: each worker's rank sets log apart (gw0-batch1-world2, ...), never mixed
+        worker = getattr(self.config, "workerinput", {}).get("workerid")
+        prefix = f"{worker}-batch" if worker else "batch"
+        logs = self.log_dir(f"{prefix}{self._batches}-world{world_size}")
         if self._batches == 1:
-            # the previous session's rank-set logs: this session's replace them
-            for old in logs.parent.glob("batch*-world*"):
+            # this process's previous rank-set logs (same worker id): this session's replace them
+            for old in logs.parent.glob(f"{prefix}*-world*"):
                 shutil.rmtree(old, ignore_errors=True)
         rank_set = RankSet(
             world_size,
@@ -109,6 +110,24 @@ class Controller:
         self.remaining.pop(world_size, None)
         if rank_set is not None:
             rank_set.close()
+
+    def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
+        """``item`` and the tests this process will run after it, in order.
+
+        A plain session runs everything it collected. A pytest-xdist worker runs what its
+        controller sends: the current test, the next one and those already queued (later ones
+        arrive while it runs; a test not yet sent gets a rank set of its own when it comes).
+        """
+        items = self.config.stash[_SESSION_ITEMS]
+        interactor = next(
+            (p for p in self.config.pluginmanager.get_plugins() if type(p).__name__ == "WorkerInteractor"),
+            None,
+        )
+        if interactor is None or not hasattr(self.config, "workerinput"):
+            return items[items.index(item) :]
+        with interactor.torun.lock() as queued:
+            indices = [interactor.nextitem_index, *queued]
+        return [item] + [items[i] for i in indices if isinstance(i, int)]
 
     def close_all(self) -> None:
         for world_size in list(self.active):
@@ -194,7 +213,11 @@ class Controller:
                     if event["nodeid"] != item.nodeid:
                         return reports + [
                             self._failure(
-                                item, rank_set, reports, f"the rank set ran {event['nodeid']} instead"
+                                item,
+                                rank_set,
+                                reports,
+                                started,
+                                f"the rank set ran {event['nodeid']} instead",
                             )
                         ]
                     deadline = time.monotonic() + timeout + KILL_GRACE_S
