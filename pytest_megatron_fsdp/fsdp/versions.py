@@ -132,14 +132,16 @@ NO_SHARD_PARAM_SYNC_BUG = (
     "overlap_param_gather=False, MegatronFSDP.start_param_sync (called by DistributedOptimizer."
     "step_with_ready_grads) runs all_gather_pipeline.async_bucket_gather for every bucket before its "
     "own 'model_weight_buffer is None: continue' check; no_shard has no model weight buffer, so "
-    "fetch_bucket is called on None. With overlap_param_gather=True the path is not taken and no_shard trains"
+    "fetch_bucket is called on None. With overlap_param_gather=True the path is not taken and no_shard "
+    "trains. Fixed upstream by NVIDIA/Megatron-LM PR #3754 (start_param_sync returns early for no_shard; "
+    "megatron-core 0.18)"
 )
 
 
 def no_shard_param_sync_bug() -> bool:
-    """``no_shard`` + ``overlap_param_gather=False`` fails in ``start_param_sync`` (see the message).
-    Verified on 0.16.1 only; on other versions the test runs and says so if it still fails."""
-    return megatron_core_version()[:2] == (0, 16)
+    """``no_shard`` + ``overlap_param_gather=False`` fails in ``start_param_sync`` (see the message):
+    megatron-core before 0.18 (seen on 0.16.1; passes on 0.19.2)."""
+    return megatron_core_version() < (0, 18)
 
 
 META_INIT_LOCAL_SPEC = (

@@ -31,6 +31,7 @@ from pytest_megatron_fsdp.checkpoint import (
     state_snapshot,
 )
 from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
+from pytest_megatron_fsdp.fsdp import versions
 
 pytestmark = pytest.mark.distributed(world_size=2)
 
@@ -104,13 +105,10 @@ def test_round_trip_restores_every_tensor_exactly(megatron_fsdp_run, run_config,
 
 
 @pytest.mark.xfail(
+    versions.no_shard_param_sync_bug(),
     strict=True,
     raises=AttributeError,
-    reason="upstream bug (megatron-core 0.16.1): MegatronFSDP.start_param_sync's synchronous branch "
-    "(overlap_param_gather=False) calls all_gather_pipeline.async_bucket_gather() before its "
-    "`model_weight_buffer is None` check, and no_shard has no sharded weight buffer: "
-    "'NoneType' object has no attribute 'fetch_bucket'. Plain Python control flow, not a CPU "
-    "artefact; no_shard with overlap_param_gather=True trains and round-trips (test above).",
+    reason=versions.NO_SHARD_PARAM_SYNC_BUG,
 )
 def test_no_shard_trains_without_param_gather_overlap(megatron_fsdp_run, run_config):
     run_config.ddp.data_parallel_sharding_strategy = "no_shard"
