@@ -536,15 +536,15 @@ def load_checkpoint(
     iter_dir, metadata, train_state = found.iter_dir, found.metadata, found.train_state
     assert train_state is not None and found.iteration is not None
 
-    # 2. What this run would load, built without changing it (collectives: Megatron-LM's handlers
-    #    and the uneven-DTensor metadata); its keys and shapes against the checkpoint's, and the
-    #    digest of every file this rank's read plan touches. Still nothing changed on refusal.
+    # 2. What this run loads into, built without changing it (collectives: Megatron-LM's
+    #    handlers and the uneven-DTensor metadata); its keys and shapes against the checkpoint's,
+    #    and the digest of every file this rank's read plan touches. Nothing changed on refusal.
     problem = None
     try:
-        planned = megatron_layout.load_state_dict(run, metadata, is_loading=False)
-        problems = _key_problems(iter_dir, metadata, planned.state_dict)
+        loaded = megatron_layout.load_state_dict(run, metadata)
+        problems = _key_problems(iter_dir, metadata, loaded.state_dict)
         if not problems and found.manifest is not None:
-            problems = verify_files(iter_dir, found.manifest, files_read_by(planned.state_dict, metadata))
+            problems = verify_files(iter_dir, found.manifest, files_read_by(loaded.state_dict, metadata))
         problem = "; ".join(problems) or None
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: checking what to load failed: {_describe(exc)}"
@@ -552,11 +552,9 @@ def load_checkpoint(
     if found.manifest is None:
         warnings.warn(_unverified_warning(iter_dir), stacklevel=2)
 
-    # 3. The collective load. The optimizer's is_loading state dict allocates Adam's state (a
-    #    dummy step) so DCP has tensors to load into, as Megatron-LM does.
+    # 3. The collective load, into the dicts just checked.
     problem = None
     try:
-        loaded = megatron_layout.load_state_dict(run, metadata, is_loading=True)
         dcp.load(loaded.state_dict, storage_reader=dcp.FileSystemReader(iter_dir))
         # DCP wrote into the DTensors in place (SwiGLU's _w/_v halves are views of the raw
         # tensors); load_state_dict runs Megatron-FSDP's post-load hook, which copies the loaded
@@ -569,7 +567,7 @@ def load_checkpoint(
             # the next forward's): else a run that trained before loading computes its next
             # forward with the old weights. no_shard gathers nothing (it has no weight buffer).
             run.model.module.synchronize_param_gather()
-        run.optimizer.load_state_dict(loaded.optimizer_own)
+        megatron_layout.install_optimizer_state(run, loaded)
         megatron_layout.restore_run_state(run, loaded, metadata, train_state)
         run.iteration = int(train_state["iteration"])
         scheduler = getattr(run, "scheduler", None)

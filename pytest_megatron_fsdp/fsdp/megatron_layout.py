@@ -67,22 +67,24 @@ def model_state_dict(run: TrainingRun) -> dict[str, Any]:
     return run.model.state_dict_for_save_checkpoint()
 
 
-def optimizer_state_dict(
-    run: TrainingRun, model: dict[str, Any], *, is_loading: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def optimizer_state_dict(run: TrainingRun, model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The optimizer's fsdp_dtensor state dict, and the same with one key space on every rank.
 
     megatron-core 0.16's DistributedOptimizer only has state for parameters whose local shard
-    is non-empty, so each rank's ``state`` names different parameters. DCP and
-    ``preprocess_state_dict_for_uneven_dtensor`` need every rank to present the same DTensor keys
-    in the same order (they run collectives per key); ranks that hold no shard of a parameter add
-    an empty-shard placeholder for it (newer Megatron-FSDP does the same). Returns
-    (the optimizer's own dict, the dict to hand to DCP); their per-parameter entries are shared.
+    is non-empty, and a run that has not stepped yet has none at all, so each rank's ``state``
+    names different parameters. DCP and ``preprocess_state_dict_for_uneven_dtensor`` need every
+    rank to present the same DTensor keys in the same order (they run collectives per key); ranks
+    add a zero placeholder, sharded like the parameter, for every parameter without state (newer
+    Megatron-FSDP does the same). Returns (the optimizer's own dict, the dict to hand to DCP);
+    their per-parameter entries are shared.
 
-    ``is_loading=True`` is Megatron's: it takes a dummy optimizer step so that Adam's state exists
-    to load into, which changes the run. Anything that may still refuse the load uses ``False``.
+    Megatron-LM asks with ``is_loading=True`` before a load, which takes a dummy optimizer step so
+    that Adam's state exists to load into; that step changes the run (weight decay, Adam's
+    moments) before the checkpoint is even checked. The placeholders are loaded into instead and
+    handed to the optimizer afterwards (:func:`install_optimizer_state`), so a refused load
+    changes nothing.
     """
-    own = run.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    own = run.optimizer.sharded_state_dict(model, is_loading=False, metadata=OPTIMIZER_METADATA)
     state = own["state"]
     template = next((v for v in state.values() if isinstance(v, dict) and "exp_avg" in v), None)
     shards = {strip_wrappers(k): v for k, v in model.items() if isinstance(v, DTensor)}
@@ -255,7 +257,7 @@ class SaveState:
 def local_save_state(run: TrainingRun) -> SaveState:
     """No collectives, no changes to the run."""
     model = model_state_dict(run)
-    _, optimizer = optimizer_state_dict(run, model, is_loading=False)
+    _, optimizer = optimizer_state_dict(run, model)
     return SaveState(model, optimizer, local_rng_state(), run.data_stream_state())
 
 
@@ -308,19 +310,22 @@ class LoadState:
     """The state dict DCP loads into, and what the load needs afterwards."""
 
     state_dict: dict[str, Any]
-    #: the model and optimizer dicts before the handlers: the run's own tensors (or views of them)
+    #: the model dict before the handlers: the run's own tensors (SwiGLU halves are views of them)
     raw_model: dict[str, Any]
-    optimizer_own: dict[str, Any]
+    #: the optimizer's per-parameter state to load into (placeholders included) and its group metadata
+    optimizer: dict[str, Any]
+    #: parameters the optimizer had state for before the load
+    had_state: frozenset[str]
     layout: str
 
 
-def load_state_dict(run: TrainingRun, metadata: Metadata, *, is_loading: bool) -> LoadState:
-    """What DCP loads this checkpoint into, preprocessed; ``is_loading=False`` changes nothing in
-    the run (for the checks before a load). Collective."""
+def load_state_dict(run: TrainingRun, metadata: Metadata) -> LoadState:
+    """What DCP loads this checkpoint into, preprocessed. Changes nothing in the run (the checks
+    before a load use it too). Collective."""
     layout = layout_of(metadata)
     pp_rank, tp_rank, dp_rank, _ = parallel_ranks()
     model = model_state_dict(run)
-    own, optimizer = optimizer_state_dict(run, model, is_loading=is_loading)
+    own, optimizer = optimizer_state_dict(run, model)
     state_dict: dict[str, Any] = {"model": dict(model), "optimizer": optimizer}
     if layout == MEGATRON_LM:
         rng = _template(metadata, f"rng_state.{rng_key(pp_rank, tp_rank)}.")
@@ -346,7 +351,29 @@ def load_state_dict(run: TrainingRun, metadata: Metadata, *, is_loading: bool) -
         if rank_state:
             state_dict["rng_state"] = {f"rank_{run.env.rank}": rank_state}
     preprocess_uneven(state_dict)
-    return LoadState(state_dict, model, own, layout)
+    return LoadState(state_dict, model, optimizer, frozenset(own["state"]), layout)
+
+
+def install_optimizer_state(run: TrainingRun, loaded: LoadState) -> None:
+    """Hand the loaded optimizer state to the optimizer (after ``dcp.load``).
+
+    Parameters get state where the optimizer keeps state: those it had state for, and those whose
+    local shard is not empty (megatron-core 0.16 keeps none for an empty shard; its dummy step
+    would not create any either).
+    """
+
+    def holds(entry: dict[str, Any]) -> bool:
+        exp_avg = entry["exp_avg"]
+        return (exp_avg.to_local() if isinstance(exp_avg, DTensor) else exp_avg).numel() > 0
+
+    state = {
+        name: entry
+        for name, entry in loaded.optimizer["state"].items()
+        if name in loaded.had_state or holds(entry)
+    }
+    run.optimizer.load_state_dict(
+        {"state": state, "param_to_group_meta": loaded.optimizer["param_to_group_meta"]}
+    )
 
 
 def _saved_data_parallel_size(metadata: Metadata, layout: str) -> int:

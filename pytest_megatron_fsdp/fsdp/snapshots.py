@@ -144,7 +144,7 @@ def state_fingerprint(run: TrainingRun) -> dict[str, str]:
     Gathers every tensor on rank 0: meant for test-sized models.
     """
     model = model_state_dict(run)
-    _, optimizer = optimizer_state_dict(run, model, is_loading=False)
+    _, optimizer = optimizer_state_dict(run, model)
     state: dict[str, Any] = {
         "model": {strip_wrappers(k): v for k, v in model.items() if isinstance(v, torch.Tensor)},
         "optimizer": {strip_wrappers(k): v for k, v in optimizer["state"].items()},
