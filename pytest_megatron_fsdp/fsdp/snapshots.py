@@ -127,7 +127,7 @@ def _assemble(pieces: list[tuple[Any, ...]]) -> dict[str, str]:
             verdict = f"incomplete ({int((~covered).sum())} of {covered.numel()} elements on no rank)"
         if verdict is None:
             h = hashlib.sha256(f"{dtype}{list(shape)}".encode())
-            h.update(full.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
             verdict = h.hexdigest()
         digests[key] = verdict
     return digests
