@@ -26,6 +26,14 @@ def test_checkpoint_then_rank1_fails(megatron_fsdp_run, run_config, checkpoint_d
     assert dist_env.rank == 0, "rank 1 disagrees after the checkpoint"
 
 
+@two_ranks
+def test_checkpoint_then_both_ranks_fail(megatron_fsdp_run, run_config, checkpoint_dir, dist_env):
+    run = megatron_fsdp_run(run_config)
+    run.train(1)
+    save_checkpoint(run, checkpoint_dir)
+    raise AssertionError(f"rank {dist_env.rank} fails too")
+
+
 @pytest.fixture
 def barrier_at_teardown(dist_env):
     yield
@@ -78,7 +86,7 @@ def test_each_failure_is_reported_once_and_without_torch_distributed_noise(sessi
     result = session.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=300)
     out = result.stdout.str()
     # Four failures, and the one real teardown bug is an error of its own; nothing else.
-    result.assert_outcomes(passed=1, failed=4, errors=1)
+    result.assert_outcomes(passed=1, failed=5, errors=1)
     result.stdout.fnmatch_lines(
         [
             "ERROR test_failing.py::test_a_teardown_bug_of_its_own_is_still_reported*",
@@ -88,7 +96,9 @@ def test_each_failure_is_reported_once_and_without_torch_distributed_noise(sessi
     assert "RuntimeError: a teardown bug of its own" in out
     # The teardowns' collectives after the release are named in a report section, not as errors.
     echo = "Default process group has not been initialized"
-    assert out.count(echo) == out.count(f"the process group was released after the failure: ValueError: {echo}")
+    assert out.count(echo) == out.count(
+        f"the process group was released after the failure: ValueError: {echo}"
+    )
     assert "teardown collective skipped" in out
     assert "rank 1 disagrees after the checkpoint" in out and "rank 1 fails late" in out
     # The failing checkpoint test's report carries its captured logs, without DCP's event log.
@@ -96,6 +106,11 @@ def test_each_failure_is_reported_once_and_without_torch_distributed_noise(sessi
     checkpoint_report = checkpoint_report[: checkpoint_report.index("\n___")]
     assert "Captured log call" in checkpoint_report
     assert DCP_EVENT not in out
+    # Both ranks released the group themselves before the teardown: checkpoint_dir skips its
+    # barrier on its own, nothing to report.
+    both = out[out.index("test_checkpoint_then_both_ranks_fail _") :]
+    both = both[: both.index("\n___")]
+    assert "rank 1 fails too" in both and "teardown collective skipped" not in both
 
 
 def test_an_option_brings_torch_distributed_logs_back(session):
