@@ -4,10 +4,13 @@ Run on 2 ranks (CPU ranks over gloo here, GPUs over NCCL where there are two)::
 
     .venv-newest/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 bench/bench_checkpoint.py
 
-Both sides save and load the same fsdp_dtensor state dict (model DTensors, the optimizer's
-fsdp_dtensor state, per-rank RNG state); the plugin adds what makes it safe: config validation,
-file checks before the load, the collectives that agree on every outcome, fsync, the temp
-directory and its rename, the train-state file and the tracker, Megatron-FSDP's post-load hook.
+Both sides save and load the same fsdp_dtensor state dict in Megatron-LM's layout (model DTensors,
+the optimizer's fsdp_dtensor state, RNG states, data stream), built the same way; the plugin adds
+what makes it safe: config validation, a SHA-256 of every file taken while DCP writes it and
+checked before the load (each rank the files its read plan touches), the checks of keys, shapes
+and byte ranges (a second, side-effect-free build of the load's state dict), the collectives that
+agree on every outcome, fsync, the temp directory and its rename, the train-state file, the
+digests and the tracker, Megatron-FSDP's post-load hook and restoring RNGs and data stream.
 Each round's time is the slowest rank's; rank 0 prints medians and the ratio.
 """
 
@@ -56,6 +59,7 @@ def _bench(env, args) -> None:
 
     from pytest_megatron_fsdp.config import RunConfig, enable_megatron_fsdp
     from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
+    from pytest_megatron_fsdp.fsdp import megatron_layout
     from pytest_megatron_fsdp.fsdp.presets import DEFAULT_PRESET
     from pytest_megatron_fsdp.fsdp.training import TrainingRun
 
@@ -83,12 +87,11 @@ def _bench(env, args) -> None:
     def bare_round() -> float:
         dist.barrier()
         start = time.perf_counter()
-        state_dict, _ = ckpt._dcp_state_dict(run, is_loading=False)
-        ckpt._preprocess(state_dict)
+        state_dict = megatron_layout.save_state_dict(run, megatron_layout.local_save_state(run))
         dcp.save(state_dict, checkpoint_id=root / "bare")
-        state_dict, _ = ckpt._dcp_state_dict(run, is_loading=True)
-        ckpt._preprocess(state_dict)
-        dcp.load(state_dict, checkpoint_id=root / "bare")
+        metadata = dcp.FileSystemReader(root / "bare").read_metadata()
+        loaded = megatron_layout.load_state_dict(run, metadata)
+        dcp.load(loaded.state_dict, checkpoint_id=root / "bare")
         return slowest(time.perf_counter() - start)
 
     try:

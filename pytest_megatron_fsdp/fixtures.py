@@ -172,10 +172,13 @@ def checkpoint_dir(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterato
     """A fresh private (0700) directory, the same path on every rank, removed after the test.
 
     It lies in the session's shared directory; its name comes from the test id, so every rank
-    computes the same one without a collective.
+    computes the same one without a collective. After a failure that released the process group
+    the teardown skips its barrier (it could not complete) and leaves the directory to the
+    session's end, when the shared directory goes.
     """
     import torch.distributed as dist
 
+    session = _rank_session(request)
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:12]
     path = dist_env.shared_dir / f"ckpt-{digest}"
     if dist_env.rank == 0:
@@ -183,9 +186,9 @@ def checkpoint_dir(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterato
         path.mkdir(mode=0o700)
         os.chmod(path, 0o700)  # whatever the umask: checkpoints are unpickled on load
     dist.barrier()  # bounded by the process-group timeout
-    try:
-        yield path
-    finally:
-        dist.barrier()  # nobody removes it while another rank still reads it
-        if dist_env.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+    yield path
+    if session.collectives_released():
+        return
+    dist.barrier()  # nobody removes it while another rank still reads it
+    if dist_env.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

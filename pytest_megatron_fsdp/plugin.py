@@ -88,6 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
             lambda: protocol.log_dir(config, values["log-dir"], "torchrun"),
             agreement_timeout_s=values["pg-timeout"],
             default_timeout_s=values["timeout"],
+            distributed_logs=values["distributed-logs"],
         )
         config.pluginmanager.register(rank_plugin, _RANK_PLUGIN)
     else:

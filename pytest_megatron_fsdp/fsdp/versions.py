@@ -298,3 +298,35 @@ KNOWN_BUGS = {
     "tensor_parallel_without_te": TENSOR_PARALLEL_WITHOUT_TE,
     "fsdp2_finish_grad_sync": FSDP2_FINISH_GRAD_SYNC,
 }
+
+
+# -- Megatron-LM checkpoint layout --------------------------------------------------------------
+
+
+NO_MEGATRON_LM_LAYOUT = (
+    "this megatron-core has no megatron/core/transformer/fsdp_dtensor_checkpoint.py (it ships from "
+    "0.16 on): Megatron-LM's fsdp_dtensor key layout (SwiGLU split into _w/_v) cannot be produced"
+)
+
+
+class MegatronLMHandlers:
+    """megatron-core's fsdp_dtensor state-dict handlers, under names saying what each does."""
+
+    def __init__(self, module: Any) -> None:
+        self.drop_extra_state = module.handle_fp8_extra_state_case
+        self.split_swiglu = module.handle_swiglu_in_state_dict
+        self.globalize_experts = module.handle_experts_in_state_dict
+
+
+def megatron_lm_fsdp_dtensor_handlers() -> MegatronLMHandlers | None:
+    """The handlers Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` calls, from
+    ``megatron.core.transformer.fsdp_dtensor_checkpoint``; None where that module is missing
+    (megatron-core before 0.16). Imports megatron: call it inside a rank."""
+    try:
+        from megatron.core.transformer import fsdp_dtensor_checkpoint
+    except ImportError:
+        return None
+    needed = ("handle_fp8_extra_state_case", "handle_swiglu_in_state_dict", "handle_experts_in_state_dict")
+    if not all(hasattr(fsdp_dtensor_checkpoint, name) for name in needed):
+        return None
+    return MegatronLMHandlers(fsdp_dtensor_checkpoint)

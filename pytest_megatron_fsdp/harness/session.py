@@ -127,7 +127,26 @@ class RankSession:
 
         self._release_dependents()
         if dist.is_initialized():
+            # Tell the peers before the group goes (the store outlives it): a collective they are
+            # in, or enter, now fails, and collectives_released() lets their teardowns know why.
+            try:
+                self.store.set(f"released/{self.generation}", str(self.env.rank))
+            except Exception:  # noqa: BLE001 - a store that is gone: the peers are gone too
+                pass
             dist.destroy_process_group()
+
+    def collectives_released(self) -> bool:
+        """Whether a failure released this process group (on this rank, or on another one, as told
+        through the store): a collective now fails at once or never completes, until the group is
+        renewed after the test. Fixture teardowns that need a collective check this first."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return True
+        try:
+            return bool(self.store.check([f"released/{self.generation}"]))
+        except Exception:  # noqa: BLE001 - no store: nothing to learn from it
+            return False
 
     def renew(self) -> None:
         """A fresh process group on every rank after a failed test.
