@@ -300,12 +300,13 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
     touching the disk) for a config upstream rejects, and :class:`CheckpointError` on every rank
     when any rank failed, in which case the previous checkpoint stays the latest.
     """
-    from . import megatron_layout
-
-    target = save_dir if save_dir is not None else run.cfg.checkpoint.save
+    layout = _layout_of(run)
+    cfg = getattr(run, "cfg", None)  # a fully_shard run has no RunConfig
+    target = save_dir if save_dir is not None or cfg is None else cfg.checkpoint.save
     if target is None:
         raise ConfigError("no checkpoint directory: pass save_dir or set checkpoint.save")
-    validate(run.cfg, run.env.world_size, purpose="save")
+    if cfg is not None:
+        validate(cfg, run.env.world_size, purpose="save")
     started = time.perf_counter()
     root = Path(target)
     iteration = int(run.iteration)
@@ -322,7 +323,7 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
         if rank0:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp_dir.mkdir(mode=0o700)
-        local = megatron_layout.local_save_state(run)
+        local = layout.local_save_state(run)
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: preparing the save failed: {_describe(exc)}"
     problems = gather_problems(problem)
@@ -333,7 +334,7 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
     written: dict[str, FileDigest | None] = {}
     if not problems:
         try:
-            state_dict = megatron_layout.save_state_dict(run, local)
+            state_dict = layout.save_state_dict(run, local)
             writer = _DigestingWriter(tmp_dir, die_while_writing=_kill_during_save(run.env.rank, iteration))
             dcp.save(state_dict, storage_writer=writer)
             written = writer.digests
@@ -346,7 +347,7 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
     # Phase 3, rank 0: seal (train state, digests) and publish (rename, pointers, tracker last).
     if not problems and rank0:
         try:
-            train_state = _train_state(run)
+            train_state = layout.train_state(run) if layout is not _megatron_layout() else _train_state(run)
             _seal(tmp_dir, train_state, written)
             _publish(root, tmp_dir, iteration, train_state)
         except _FAILURES as exc:
@@ -472,9 +473,12 @@ def checkpoint_problems(
 
 def _key_problems(iter_dir: Path, metadata: Metadata, state_dict: dict[str, Any]) -> list[str]:
     """Keys this run would load that the checkpoint lacks, and global shapes that differ."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     saved = metadata.state_dict_metadata
     problems: list[str] = []
-    for key, value in flatten_state(state_dict):
+    flat, _ = flatten_state_dict(state_dict)  # DCP's own keys (lists, e.g. param_groups, included)
+    for key, value in flat.items():
         if key not in saved:
             problems.append(f"{key} is not in the checkpoint")
             continue
@@ -503,6 +507,22 @@ def files_read_by(state_dict: dict[str, Any], metadata: Metadata) -> set[str]:
 # load
 
 
+def _megatron_layout() -> Any:
+    from . import megatron_layout
+
+    return megatron_layout
+
+
+def _layout_of(run: Any) -> Any:
+    """The module that builds and applies ``run``'s state dicts: Megatron-LM's layout for a
+    megatron-core run, ``fully_shard``'s own state dicts for a :class:`FullyShardRun`."""
+    if hasattr(run, "cfg"):
+        return _megatron_layout()
+    from . import fully_shard_layout
+
+    return fully_shard_layout
+
+
 def load_checkpoint(
     run: TrainingRun, load_dir: str | os.PathLike[str] | None = None, iteration: int | None = None
 ) -> int:
@@ -515,12 +535,13 @@ def load_checkpoint(
     :class:`CheckpointError` on every rank, with the path and the problem; a checkpoint refused by
     the checks (damaged, incomplete, another model) leaves ``run`` unchanged.
     """
-    from . import megatron_layout
-
-    source = load_dir if load_dir is not None else run.cfg.checkpoint.load
+    layout = _layout_of(run)
+    cfg = getattr(run, "cfg", None)  # a fully_shard run has no RunConfig
+    source = load_dir if load_dir is not None or cfg is None else cfg.checkpoint.load
     if source is None:
         raise ConfigError("no checkpoint directory: pass load_dir or set checkpoint.load")
-    validate(run.cfg, run.env.world_size, purpose="load")
+    if cfg is not None:
+        validate(cfg, run.env.world_size, purpose="load")
     started = time.perf_counter()
     root = Path(source)
 
@@ -541,7 +562,7 @@ def load_checkpoint(
     #    and the digest of every file this rank's read plan touches. Nothing changed on refusal.
     problem = None
     try:
-        loaded = megatron_layout.load_state_dict(run, metadata)
+        loaded = layout.load_state_dict(run, metadata)
         problems = _key_problems(iter_dir, metadata, loaded.state_dict)
         if not problems and found.manifest is not None:
             problems = verify_files(iter_dir, found.manifest, files_read_by(loaded.state_dict, metadata))
@@ -556,25 +577,37 @@ def load_checkpoint(
     problem = None
     try:
         dcp.load(loaded.state_dict, storage_reader=dcp.FileSystemReader(iter_dir))
-        # DCP wrote into the DTensors in place (SwiGLU's _w/_v halves are views of the raw
-        # tensors); load_state_dict runs Megatron-FSDP's post-load hook, which copies the loaded
-        # main weights into the weights the forward pass uses (without it they stay inactive
-        # until the first optimizer step: Bridge bug #3397). (FullyShardedDataParallel.load_state_dict
-        # adds back the "module." its state_dict adds.)
-        run.model.load_state_dict({_strip_module(k): v for k, v in loaded.raw_model.items()})
-        if run.cfg.ddp.data_parallel_sharding_strategy != "no_shard":
-            # Drop parameter buckets all-gathered before the load (the optimizer step prefetches
-            # the next forward's): else a run that trained before loading computes its next
-            # forward with the old weights. no_shard gathers nothing (it has no weight buffer).
-            run.model.module.synchronize_param_gather()
-        megatron_layout.install_optimizer_state(run, loaded)
-        megatron_layout.restore_run_state(run, loaded, metadata, train_state)
-        run.iteration = int(train_state["iteration"])
-        scheduler = getattr(run, "scheduler", None)
-        if scheduler is not None and train_state.get("scheduler") is not None:
-            scheduler.load_state_dict(train_state["scheduler"])
+        if layout is _megatron_layout():
+            _apply_megatron_load(run, loaded, metadata, train_state)
+        else:
+            layout.apply_loaded(run, loaded, train_state)
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: {_describe(exc)}"
     _raise_if_any(gather_problems(problem), f"loading {iter_dir} failed")
     run.notify_checkpoint(load_s=time.perf_counter() - started)
     return found.iteration
+
+
+def _apply_megatron_load(
+    run: TrainingRun, loaded: Any, metadata: Metadata, train_state: dict[str, Any]
+) -> None:
+    """After DCP filled ``loaded``: make it the run's state (megatron-core's wrapper and optimizer)."""
+    from . import megatron_layout
+
+    # DCP wrote into the DTensors in place (SwiGLU's _w/_v halves are views of the raw
+    # tensors); load_state_dict runs Megatron-FSDP's post-load hook, which copies the loaded
+    # main weights into the weights the forward pass uses (without it they stay inactive
+    # until the first optimizer step: Bridge bug #3397). (FullyShardedDataParallel.load_state_dict
+    # adds back the "module." its state_dict adds.)
+    run.model.load_state_dict({_strip_module(k): v for k, v in loaded.raw_model.items()})
+    if run.cfg.ddp.data_parallel_sharding_strategy != "no_shard":
+        # Drop parameter buckets all-gathered before the load (the optimizer step prefetches
+        # the next forward's): else a run that trained before loading computes its next
+        # forward with the old weights. no_shard gathers nothing (it has no weight buffer).
+        run.model.module.synchronize_param_gather()
+    megatron_layout.install_optimizer_state(run, loaded)
+    megatron_layout.restore_run_state(run, loaded, metadata, train_state)
+    run.iteration = int(train_state["iteration"])
+    scheduler = getattr(run, "scheduler", None)
+    if scheduler is not None and train_state.get("scheduler") is not None:
+        scheduler.load_state_dict(train_state["scheduler"])
