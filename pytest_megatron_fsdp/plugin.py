@@ -11,6 +11,8 @@ where a collected test needs them.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from .fixtures import (  # noqa: F401  (fixtures)
 )
 from .fsdp import versions
 from .harness import protocol
-from .harness.controller import Controller, plan_platforms, remember_items
+from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .harness.platform import PlatformChoice, select_platform
 from .harness.rank import RankPlugin
 from .harness.session import RANK_SESSION, RankSession, TorchrunEnv
@@ -35,6 +37,7 @@ from .reporting import metrics
 _RANK_PLUGIN = "mfsdp-rank"
 _CONTROLLER = "mfsdp-controller"
 PLATFORM = pytest.StashKey[PlatformChoice]()
+_RESTORE_SIGNALS = pytest.StashKey[Callable[[], None]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -94,6 +97,8 @@ def pytest_configure(config: pytest.Config) -> None:
     else:
         controller = Controller(config, options.forwarded_args(config), values["log-dir"])
         config.pluginmanager.register(controller, _CONTROLLER)
+        if threading.current_thread() is threading.main_thread():
+            config.stash[_RESTORE_SIGNALS] = install_signal_handlers(controller)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -182,6 +187,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     if controller is not None:
         controller.close_all()  # also after an interrupted session: no rank set outlives pytest
+    restore = config.stash.get(_RESTORE_SIGNALS, None)
+    if restore is not None:
+        restore()
     if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
         from .harness import cuda_emulation
 

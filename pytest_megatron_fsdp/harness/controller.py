@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,20 @@ class Controller:
         world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        reports = self._collect_reports(item, rank_set)
+        try:
+            reports = self._collect_reports(item, rank_set)
+        except KeyboardInterrupt:
+            # SIGINT, or SIGTERM (a CI cancel; see install_signal_handlers): the running test fails
+            # with what its ranks had logged, its rank set is killed, and pytest then ends the session
+            # as interrupted, writing JUnit XML and the report for every finished test.
+            rank_set.kill()
+            reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + self._death(
+                rank_set, spec.timeout_s, interrupted=True
+            )
+            report = self._failure(item, rank_set, [], True, reason)
+            item.ihook.pytest_runtest_logreport(report=report)
+            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+            raise
         reports += self._teardown_local_state(item, nextitem)
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
@@ -245,7 +259,9 @@ class Controller:
                 return reports + [self._failure(item, rank_set, reports, started, reason)]
             time.sleep(0.05)
 
-    def _death(self, rank_set: RankSet, timeout: float, killed_after: float | None = None) -> str:
+    def _death(
+        self, rank_set: RankSet, timeout: float, killed_after: float | None = None, interrupted: bool = False
+    ) -> str:
         """Why the rank set ended before the test did, with each rank's stacks or log tail."""
         timed_out = [r for r in range(rank_set.world_size) if TIMEOUT_BANNER in rank_set.rank_log(r)]
         exits, root = rank_set.rank_exits()
@@ -265,7 +281,7 @@ class Controller:
                 lines.append(
                     f"rank {r} then ended ({describe_exit(died[r])}; stopped by torchrun after rank {first})"
                 )
-        if not lines:
+        if not lines and not interrupted:
             lines.append(f"the rank set ended unexpectedly ({describe_exit(rank_set.proc.returncode or 0)})")
         for r in range(rank_set.world_size):
             log = rank_set.rank_log(r)
@@ -402,3 +418,29 @@ def plan_platforms(controller: Controller, requested: str, items: list[pytest.It
             f"({choice.reason})"
         )
     return lines
+
+
+def install_signal_handlers(controller: Controller) -> Callable[[], None]:
+    """SIGTERM (what a CI cancel sends) ends a plain session the way Ctrl-C does: pytest's
+    KeyboardInterrupt handling reports the running test, writes JUnit XML and the JSON report, and
+    unconfigure kills every rank set. A second SIGTERM or SIGINT kills the rank sets and exits at once.
+    Returns the function that puts the previous handlers back (at unconfigure).
+    """
+    import signal
+
+    received: list[int] = []
+
+    def handle(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if len(received) > 1:
+            controller.close_all()
+            os._exit(128 + signum)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore

@@ -6,6 +6,7 @@ healthy test after them; then the process table and the temp dir are checked for
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -303,3 +304,67 @@ def test_ranks_disagree_on_the_collective(dist_env):
         in disagree
     )
     assert _processes_mentioning(str(pytester.path)) == []
+
+
+def test_sigterm_mid_test_kills_the_ranks_and_writes_junit(pytester, isolated_tmp):
+    """A CI cancel: SIGTERM to the plain pytest session while a distributed test runs. The ranks
+    and torchrun are killed, the running test fails as interrupted, the finished one keeps its
+    result, and the JUnit XML is written; pytest exits non-zero."""
+    import signal
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile(
+        test_cancel="""
+import time
+import pytest
+
+@pytest.mark.distributed(world_size=2)
+def test_done(dist_env):
+    pass
+
+@pytest.mark.distributed(world_size=2)
+def test_long(dist_env):
+    print("long test running", flush=True)
+    time.sleep(600)
+"""
+    )
+    logs = pytester.path / "logs"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--mfsdp-platform=cpu",
+            f"--mfsdp-log-dir={logs}",
+            "--junitxml=junit.xml",
+        ],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    rank_log = logs / "batch1-world2" / "rank0.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if rank_log.exists() and "START test_cancel.py::test_long" in rank_log.read_text():
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise AssertionError(f"test_long never started: {proc.communicate()[0]}")
+    time.sleep(1.0)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert time.monotonic() - started < 30, out
+    assert proc.returncode != 0, out
+    assert _processes_mentioning(str(pytester.path)) == [], out
+    suite = ET.parse(pytester.path / "junit.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert set(cases) == {"test_done", "test_long"}, out
+    assert len(cases["test_done"]) == 0  # passed: no failure/skip child
+    failure = cases["test_long"].find("failure")
+    assert failure is not None and "interrupted" in (failure.get("message", "") + (failure.text or "")), out
