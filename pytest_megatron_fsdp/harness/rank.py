@@ -46,6 +46,10 @@ from .protocol import (
 from .session import RANK_SESSION, RankSession, TorchrunEnv
 
 
+#: How long a rank whose test timed out waits for the peers' flight records and stacks before it
+#: exits (a peer whose thread cannot get the GIL is dumped by faulthandler's C watchdog instead).
+PEER_DUMP_GRACE_S = 5.0
+
 class RankPlugin:
     """Registered in every torchrun rank, as ``mfsdp-rank``."""
 
@@ -273,6 +277,7 @@ class RankPlugin:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
+            self._await_peer_dumps(nodeid)
             rank_session = self.config.stash.get(RANK_SESSION, None)
             if rank_session is not None and self.rank == 0:
                 # nothing else will remove it: this process ends here, without teardown
@@ -288,6 +293,22 @@ class RankPlugin:
         finally:
             done.set()
             faulthandler.cancel_dump_traceback_later()
+
+    def _await_peer_dumps(self, nodeid: str) -> None:
+        """Stay until every rank has dumped for ``nodeid`` (bounded): torchrun stops the others as
+        soon as one rank exits, and the timers start a little apart on each rank, so the first to
+        expire would otherwise take the peers' flight records and stacks with it."""
+        log_dir = self.log_path.parent
+        self.log_path.with_suffix(".expired").write_text(nodeid)
+        markers = [log_dir / f"rank{r}.expired" for r in range(self.torchrun.world_size)]
+        deadline = time.monotonic() + PEER_DUMP_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                if all(m.read_text() == nodeid for m in markers):
+                    return
+            except OSError:
+                pass  # a peer has not got there yet
+            time.sleep(0.05)
 
     def _exchange_outcomes(
         self,

@@ -299,6 +299,9 @@ def test_ranks_disagree_on_the_collective(dist_env):
         "rank 1 never entered collective #2 (broadcast, default_pg) that rank 0 has waited in for" in skipped
     )
     disagree = out[out.index("test_ranks_disagree_on_the_collective _") :]
+    for failure in (skipped, disagree):
+        # the first rank to expire waits for the other's flight record and stacks
+        assert "timeout on rank 0" in failure and "timeout on rank 1" in failure, failure
     assert (
         "collective #1 in default_pg differs across ranks: rank 0 broadcast [[3]], rank 1 all_reduce [[5]]"
         in disagree
