@@ -637,3 +637,37 @@ def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
     assert torch.equal(run.data_stream_state(), mine["data_stream"])
     losses = run.train(2).losses
     assert losses[1] < losses[0]
+
+
+@pytest.mark.skipif(
+    not versions.megatron_lm_training_installed(),
+    reason="megatron.training (Megatron-LM's checkpointing) is not in this megatron-core wheel (0.16's)",
+)
+@pytest.mark.xfail(
+    versions.swiglu_handler_lookup_bug(),
+    strict=True,
+    raises=AttributeError,
+    reason=versions.SWIGLU_HANDLER_LOOKUP_BUG,
+)
+def test_megatron_lms_own_preprocessing_gives_the_same_keys(megatron_fsdp_run, run_config):
+    """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` on this run, against the harness's layout."""
+    from types import SimpleNamespace
+
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+
+    from pytest_megatron_fsdp.fsdp import megatron_layout
+
+    run_config.model.overrides["swiglu"] = True
+    run = megatron_fsdp_run(run_config)
+    run.train(1)
+
+    def raw():
+        model = megatron_layout.model_state_dict(run)
+        return {"model": dict(model), "optimizer": megatron_layout.optimizer_state_dict(run, model)[1]}
+
+    ours = raw()
+    megatron_layout.apply_megatron_lm_handlers(run, ours)
+    megatron_layout.preprocess_uneven(ours)
+    args = SimpleNamespace(swiglu=True, num_experts=None)
+    theirs = preprocess_fsdp_dtensor_state_dict(args, raw(), run.model)
+    assert sorted(k for k, _ in ckpt.flatten_state(theirs)) == sorted(k for k, _ in ckpt.flatten_state(ours))
