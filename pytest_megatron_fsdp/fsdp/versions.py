@@ -229,11 +229,15 @@ def swiglu_handler_lookup_bug() -> bool:
 
 
 def megatron_lm_training_installed() -> bool:
-    """Whether ``megatron.training`` (Megatron-LM's training loop and checkpointing) is importable: the
-    megatron-core 0.19 wheel ships it, 0.16's does not. Reads package files only."""
+    """Whether ``megatron.training`` (Megatron-LM's training loop and checkpointing) is installed: the
+    megatron-core 0.19 wheel ships it, 0.16's does not. Looks for the file: importing
+    ``megatron.training`` would import all of megatron-core (at collection, before any CUDA emulation)."""
+    import os
     from importlib import util
 
     try:
-        return util.find_spec("megatron.training.checkpointing") is not None
+        spec = util.find_spec("megatron")
     except (ImportError, ValueError):
         return False
+    roots = spec.submodule_search_locations if spec is not None else None
+    return any(os.path.isfile(os.path.join(root, "training", "checkpointing.py")) for root in roots or ())

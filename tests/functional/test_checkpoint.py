@@ -37,7 +37,6 @@ from pytest_megatron_fsdp.checkpoint import (
 )
 from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
 from pytest_megatron_fsdp.fsdp import versions
-from pytest_megatron_fsdp.fsdp.model import uses_transformer_engine
 
 pytestmark = pytest.mark.distributed(world_size=2)
 
@@ -514,6 +513,8 @@ def _optimizer_parameter_names(num_layers: int, te: bool, wrappers: str) -> set[
 def test_megatron_lm_key_layout_for_the_bridge_reference_preset(
     megatron_fsdp_run, run_config, checkpoint_dir, dist_env
 ):
+    from pytest_megatron_fsdp.fsdp.model import uses_transformer_engine  # megatron: not at collection
+
     run_config.model.preset = "bridge-reference"
     run = megatron_fsdp_run(run_config)
     run.train(1)
