@@ -444,7 +444,7 @@ def _set_megatron_rng_state(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
 
 
-def _set_legacy_rng_state(state: dict[str, torch.Tensor]) -> None:
+def _set_legacy_rng_state(state: dict[str, Any]) -> None:
     """This harness's pre-digest encoding: RNG states as tensors (see ``LEGACY``)."""
     torch.set_rng_state(state["torch_cpu"])
     version, has_gauss, gauss = state["python_meta"].tolist()
@@ -457,7 +457,7 @@ def _set_legacy_rng_state(state: dict[str, torch.Tensor]) -> None:
     )
     if "torch_cuda" in state:
         torch.cuda.set_rng_state(state["torch_cuda"])
-    tracker = {k[len("tracker.") :]: v for k, v in state.items() if k.startswith("tracker.")}
+    tracker = state.get("tracker") or {}  # saved as "tracker.<name>", loaded back nested
     if tracker:
         from megatron.core import tensor_parallel
 

@@ -125,12 +125,16 @@ def _assemble(pieces: list[tuple[Any, ...]]) -> dict[str, str]:
             covered[index] = True
         if verdict is None and not bool(covered.all()):
             verdict = f"incomplete ({int((~covered).sum())} of {covered.numel()} elements on no rank)"
-        if verdict is None:
-            h = hashlib.sha256(f"{dtype}{list(shape)}".encode())
-            h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-            verdict = h.hexdigest()
-        digests[key] = verdict
+        digests[key] = verdict if verdict is not None else tensor_digest(full)
     return digests
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a whole tensor's dtype, shape and bytes (what :func:`state_fingerprint` holds)."""
+    full = tensor.detach().cpu()
+    h = hashlib.sha256(f"{full.dtype}{list(full.shape)}".encode())
+    h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def state_fingerprint(run: TrainingRun) -> dict[str, str]:

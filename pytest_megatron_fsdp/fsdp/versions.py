@@ -330,3 +330,35 @@ def megatron_lm_fsdp_dtensor_handlers() -> MegatronLMHandlers | None:
     if not all(hasattr(fsdp_dtensor_checkpoint, name) for name in needed):
         return None
     return MegatronLMHandlers(fsdp_dtensor_checkpoint)
+
+
+SWIGLU_HANDLER_LOOKUP_BUG = (
+    "upstream bug: megatron-core's handle_swiglu_in_state_dict (called by Megatron-LM's "
+    "preprocess_fsdp_dtensor_state_dict) finds parameters with model.get_parameter(f'module.{key}') for "
+    "model keys and key[len('module.'):] for optimizer keys; with Megatron-FSDP's wrapper the optimizer's "
+    "names carry one 'module.' per wrapper (AttributeError: MegatronFSDP has no attribute 'decoder'), and "
+    "a bf16 model's Float16Module breaks the model-key lookup too. Seen on megatron-core 0.16.1 and 0.19.2; "
+    "related open reports: NVIDIA/Megatron-LM#5265, NVIDIA-NeMo/Megatron-Bridge#4236. The harness calls the "
+    "handler with a view of the model that resolves names below all wrappers"
+)
+
+
+def swiglu_handler_lookup_bug() -> bool:
+    """Megatron-LM's own fsdp_dtensor preprocessing fails on a SwiGLU Megatron-FSDP model (see the
+    message); seen on 0.16.1 and 0.19.2, assumed until a newer megatron-core is checked."""
+    return megatron_core_version() < (0, 20)
+
+
+def megatron_lm_training_installed() -> bool:
+    """Whether ``megatron.training`` (Megatron-LM's training loop and checkpointing) is installed: the
+    megatron-core 0.19 wheel ships it, 0.16's does not. Looks for the file: importing
+    ``megatron.training`` would import all of megatron-core (at collection, before any CUDA emulation)."""
+    import os
+    from importlib import util
+
+    try:
+        spec = util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return False
+    roots = spec.submodule_search_locations if spec is not None else None
+    return any(os.path.isfile(os.path.join(root, "training", "checkpointing.py")) for root in roots or ())

@@ -37,7 +37,6 @@ from pytest_megatron_fsdp.checkpoint import (
 )
 from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
 from pytest_megatron_fsdp.fsdp import versions
-from pytest_megatron_fsdp.fsdp.model import uses_transformer_engine
 
 pytestmark = pytest.mark.distributed(world_size=2)
 
@@ -509,6 +508,8 @@ def _optimizer_parameter_names(num_layers: int, te: bool, wrappers: str) -> set[
 def test_megatron_lm_key_layout_for_the_bridge_reference_preset(
     megatron_fsdp_run, run_config, checkpoint_dir, dist_env
 ):
+    from pytest_megatron_fsdp.fsdp.model import uses_transformer_engine  # megatron: not at collection
+
     run_config.model.preset = "bridge-reference"
     run = megatron_fsdp_run(run_config)
     run.train(1)
@@ -569,3 +570,100 @@ def test_swiglu_round_trip_and_resume_are_exact(megatron_fsdp_run, run_config, c
         assert second == rest
     else:
         assert second == pytest.approx(rest, rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# 12 (issue #11): a checkpoint from before digests, saved on the floor stack
+
+
+#: tests/data/make_pre_digest_checkpoint.py saved it with the pre-digest code (commit 35cd11d) on
+#: Python 3.11, torch 2.13.0, megatron-core 0.16.1: 2 ranks, this smaller tiny GPT, 3 iterations.
+PRE_DIGEST_ARCHIVE = Path(__file__).parents[1] / "data" / "pre-digest-checkpoint.tar.xz"
+PRE_DIGEST_MODEL = {
+    "num_layers": 1,
+    "hidden_size": 32,
+    "ffn_hidden_size": 64,
+    "num_attention_heads": 2,
+    "num_query_groups": 2,
+}
+
+
+def _whole_state_on_disk(iter_dir: Path) -> dict:
+    """Every tensor of a DCP checkpoint, whole, read in this process alone (DCP's own converter)."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    buffer = io.BytesIO()
+    dcp_to_torch_save(iter_dir, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)  # our own test data: pickles allowed
+
+
+def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
+    megatron_fsdp_run, run_config, checkpoint_dir, dist_env
+):
+    import tarfile
+
+    from pytest_megatron_fsdp.fsdp.megatron_layout import strip_wrappers
+    from pytest_megatron_fsdp.fsdp.snapshots import tensor_digest
+
+    _on_rank0(dist_env, lambda: tarfile.open(PRE_DIGEST_ARCHIVE).extractall(checkpoint_dir, filter="data"))
+    root = checkpoint_dir / "pre-digest-checkpoint"
+    on_disk = _whole_state_on_disk(root / "iter_0000003")
+    expected = {
+        f"model.{strip_wrappers(k)}": tensor_digest(v)
+        for k, v in on_disk["model"].items()
+        if "_extra" not in k
+    }
+    for name, entry in on_disk["optimizer"]["state"].items():
+        expected |= {f"optimizer.{strip_wrappers(name)}.{s}": tensor_digest(entry[s]) for s in entry}
+
+    run_config.model.overrides.update(PRE_DIGEST_MODEL)
+    run = megatron_fsdp_run(_other_seed(run_config))  # other weights, RNGs and data stream
+    mine = on_disk["rng_state"][f"rank_{dist_env.rank}"]
+    assert fingerprint_differences(expected, state_fingerprint(run)) != []
+    assert not torch.equal(torch.get_rng_state(), mine["torch_cpu"])
+    assert not torch.equal(run.data_stream_state(), mine["data_stream"])
+    with pytest.warns(CheckpointWarning, match=r"iter_0000003 has no digests\.json .* not verified"):
+        assert load_checkpoint(run, root) == 3
+    assert fingerprint_differences(expected, state_fingerprint(run)) == []
+    # this rank's RNG and data stream, as that rank saved them
+    assert torch.equal(torch.get_rng_state(), mine["torch_cpu"])
+    assert torch.equal(run.data_stream_state(), mine["data_stream"])
+    losses = run.train(2).losses
+    assert losses[1] < losses[0]
+
+
+@pytest.mark.skipif(
+    not versions.megatron_lm_training_installed(),
+    reason="megatron.training (Megatron-LM's checkpointing) is not in this megatron-core wheel (0.16's)",
+)
+@pytest.mark.xfail(
+    versions.swiglu_handler_lookup_bug(),
+    strict=True,
+    raises=AttributeError,
+    reason=versions.SWIGLU_HANDLER_LOOKUP_BUG,
+)
+def test_megatron_lms_own_preprocessing_gives_the_same_keys(megatron_fsdp_run, run_config):
+    """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` on this run, against the harness's layout."""
+    from types import SimpleNamespace
+
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+
+    from pytest_megatron_fsdp.fsdp import megatron_layout
+
+    run_config.model.overrides["swiglu"] = True
+    run = megatron_fsdp_run(run_config)
+    run.train(1)
+
+    def raw():
+        model = megatron_layout.model_state_dict(run)
+        return {"model": dict(model), "optimizer": megatron_layout.optimizer_state_dict(run, model)[1]}
+
+    ours = raw()
+    megatron_layout.apply_megatron_lm_handlers(run, ours)
+    megatron_layout.preprocess_uneven(ours)
+    args = SimpleNamespace(swiglu=True, num_experts=None)
+    theirs = preprocess_fsdp_dtensor_state_dict(args, raw(), run.model)
+    assert sorted(k for k, _ in ckpt.flatten_state(theirs)) == sorted(k for k, _ in ckpt.flatten_state(ours))
