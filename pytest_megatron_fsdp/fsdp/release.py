@@ -26,6 +26,8 @@ import torch
 
 #: objects a leftover search visits at most (a leaked model is a few thousand; this bounds the cost)
 _WALK_LIMIT = 1_000_000
+#: most garbage collections a check runs while watched objects are still alive
+_COLLECT_PASSES = 3
 _frozen = False
 
 
@@ -126,7 +128,11 @@ class RunWatch:
         """None when every watched object is gone and, on GPUs, the test's CUDA memory is free."""
         if not self._watched and self._cuda_before is None:
             return None
-        gc.collect()
+        for _ in range(_COLLECT_PASSES):
+            # One pass may only run finalizers and weakref callbacks that release the rest (a
+            # run whose backward raised, measured with FSDP2): collect again while that helps.
+            if not gc.collect() or all(ref() is None for _, ref in self._watched):
+                break
         live = [(label, ref) for label, ref in self._watched if ref() is not None]
         cuda = None
         if self._cuda_before is not None:

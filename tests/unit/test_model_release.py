@@ -142,6 +142,28 @@ def test_run_watch_names_a_kept_model_its_bytes_and_the_global_holding_it():
     assert watch.leftovers() is None  # the global let go
 
 
+class _ReleasesOnFinalize:
+    """Garbage whose finalizer lets go of a model: only a second collection can free that model
+    (the shape measured with an FSDP2 run whose backward raised)."""
+
+    def __init__(self) -> None:
+        self.cycle = self
+
+    def __del__(self) -> None:
+        KEPT.clear()
+
+
+def test_run_watch_collects_again_while_a_collection_releases_more():
+    watch = RunWatch("cpu")
+    model = torch.nn.Linear(16, 16)
+    model.cycle = [model]  # freed by a collection, not by its reference count
+    watch.watch("run 1's model", model)
+    KEPT.append(model)
+    del model
+    _ReleasesOnFinalize()
+    assert watch.leftovers() is None
+
+
 def test_reachable_tensor_bytes_counts_each_storage_once_and_follows_grads_and_closures():
     base = torch.zeros(1000)
     views = [base[:10], base[10:]]  # one storage
