@@ -8,6 +8,7 @@ rank stuck in a collective ignores gentler signals).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -39,20 +40,16 @@ _TORCHRUN_VARS = (
 
 
 class RankSet:
-    """``torchrun --standalone --nproc_per_node=N -m pytest <batch>`` and what it reports."""
+    """``torchrun --standalone --nproc_per_node=N`` ranks that run pytest on a batch, and what they report.
 
-    def __init__(
-        self,
-        world_size: int,
-        tests: list[tuple[str, float]],
-        files: list[str],
-        pytest_args: list[str],
-        log_dir: Path,
-        cwd: Path,
-    ) -> None:
+    Launched before its batch is known (:mod:`.rank_entry`: the ranks import torch meanwhile), then
+    given the batch with :meth:`assign`; until then nothing runs in it but that import.
+    """
+
+    def __init__(self, world_size: int, log_dir: Path, cwd: Path) -> None:
         self.world_size = world_size
-        #: (node id, timeout seconds) of each test, in order
-        self.tests = list(tests)
+        #: (node id, timeout seconds) of each test, in order (set by assign())
+        self.tests: list[tuple[str, float]] = []
         self.log_dir = log_dir
         self.work_dir = Path(tempfile.mkdtemp(prefix="mfsdp-batch-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -60,8 +57,8 @@ class RankSet:
             stale.unlink()
         self.events_path = self.work_dir / "events.jsonl"
         self.events_path.touch()
-        batch_path = self.work_dir / "batch.txt"
-        write_batch(batch_path, self.tests)
+        self._batch_path = self.work_dir / "batch.txt"
+        self._argv_path = self.work_dir / "argv.json"
         self.output_path = log_dir / "torchrun.log"
         command = [
             sys.executable,
@@ -71,12 +68,10 @@ class RankSet:
             f"--nproc_per_node={world_size}",
             "--max-restarts=0",
             "-m",
-            "pytest",
-            *files,
-            f"{REPORT_FILE_FLAG}={self.events_path}",
-            f"{BATCH_FILE_FLAG}={batch_path}",
-            f"--mfsdp-log-dir={log_dir}",
-            *pytest_args,
+            "pytest_megatron_fsdp.harness.rank_entry",
+            str(self._argv_path),
+            str(log_dir),
+            str(os.getpid()),
         ]
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
         env["PYTHONUNBUFFERED"] = "1"
@@ -99,6 +94,28 @@ class RankSet:
         self._events: deque[dict[str, Any]] = deque()
         self._events_offset = 0
         self._output_offset = 0
+
+    @property
+    def assigned(self) -> bool:
+        return self._argv_path.exists()
+
+    def assign(self, tests: list[tuple[str, float]], files: list[str], pytest_args: list[str]) -> None:
+        """The batch: ``tests`` in order, collected from ``files``, with ``pytest_args`` (once)."""
+        if self.assigned:
+            raise RuntimeError("this rank set already has its batch")
+        self.tests = list(tests)
+        write_batch(self._batch_path, self.tests)
+        argv = [
+            *files,
+            f"{REPORT_FILE_FLAG}={self.events_path}",
+            f"{BATCH_FILE_FLAG}={self._batch_path}",
+            f"--mfsdp-log-dir={self.log_dir}",
+            *pytest_args,
+        ]
+        # Complete or absent: the ranks poll for this file and read it once it exists.
+        partial = self._argv_path.with_suffix(".partial")
+        partial.write_text(json.dumps(argv))
+        os.replace(partial, self._argv_path)
 
     # -- watching -----------------------------------------------------------------------------------
 
@@ -128,7 +145,7 @@ class RankSet:
     def rank_pids(self) -> dict[int, int]:
         """Live ranks of this set (a pid is only trusted while its command line names this batch)."""
         pids = {}
-        marker = str(self.events_path).encode()
+        marker = str(self._argv_path).encode()
         for path in self.log_dir.glob("rank*.pid"):
             try:
                 pid = int(path.read_text())
