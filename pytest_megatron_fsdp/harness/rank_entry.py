@@ -6,6 +6,8 @@ it still collects the rest and decides the platform; each rank meanwhile imports
 every rank needs, whatever its tests and platform), then waits for the parent to write its pytest
 command line to the argv file, and runs pytest with it in this process (``python -m pytest
 <argv>`` in effect). A rank whose parent is gone, or that waits past :data:`WAIT_LIMIT_S`, exits.
+pytest's exit status is left next to the argv file (:func:`exit_status_path`), so the parent knows
+how the set ended as soon as its ranks did, without waiting for torchrun's own shutdown.
 
 Nothing else is imported before pytest starts: the plugin still decides the platform and enables
 the CUDA emulation before megatron is first imported.
@@ -67,7 +69,17 @@ def main(args: list[str]) -> int:
     import pytest
 
     sys.argv = [sys.argv[0], *argv]
-    return pytest.console_main()
+    code = pytest.console_main()
+    # pytest is done: the parent need not wait for torchrun's own shutdown to learn how it ended.
+    partial = argv_path.with_name(f"exit-rank{rank}.partial")
+    partial.write_text(str(code))
+    os.replace(partial, exit_status_path(argv_path, int(rank)))
+    return code
+
+
+def exit_status_path(argv_path: Path, rank: int) -> Path:
+    """Where rank ``rank`` leaves pytest's exit status (next to the argv file)."""
+    return argv_path.with_name(f"exit-rank{rank}")
 
 
 if __name__ == "__main__":
