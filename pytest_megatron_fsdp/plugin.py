@@ -97,7 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_itemcollected(item: pytest.Item) -> None:
     # Plain mode: the first distributed test collected starts its rank set, whose ranks import
-    # torch while this session collects the rest (the batch follows at collection's end).
+    # torch while this session collects the rest (its batch follows when the session reaches it).
     controller = item.config.pluginmanager.get_plugin(_CONTROLLER)
     if controller is None or item.get_closest_marker(protocol.MARKER) is None:
         return

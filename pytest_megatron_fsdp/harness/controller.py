@@ -52,8 +52,8 @@ class Controller:
     # -- batches ------------------------------------------------------------------------------------
 
     def prestart(self, world_size: int) -> None:
-        """Launch a rank set for ``world_size`` now, its tests to follow (:meth:`plan_first_batch`):
-        its ranks import torch while this session still collects and decides the platform.
+        """Launch a rank set for ``world_size`` now, its tests to follow when the session reaches
+        them: its ranks import torch while this session still collects and decides the platform.
 
         Once per session, for the first distributed test collected; not for ``--collect-only``, nor
         in a pytest-xdist worker (which learns only later which tests it runs).
@@ -69,10 +69,11 @@ class Controller:
         return hasattr(self.config, "workerinput")
 
     def plan_first_batch(self, distributed: list[pytest.Item]) -> None:
-        """After collection: give the first batch to its rank set (launched now unless prestarted).
+        """After collection: have a rank set warming up for the first distributed test to run.
 
-        A prestarted set that no test will use (deselected, skipped for want of GPUs, another world
-        size first) is closed here, before it costs more than its start.
+        A prestarted set no test will use (deselected, skipped for want of GPUs, another world size
+        first) is closed here, before it costs more than its start. The batch itself is given when
+        the session reaches that test, so tests still run one at a time, in order.
         """
         self._prestart_decided = True
         runnable = [i for i in distributed if UNHOSTABLE not in i.stash]
@@ -81,11 +82,11 @@ class Controller:
             return
         if self._in_xdist_worker():
             return  # which tests this worker runs comes later, one by one: batches start with them
-        first = runnable[0]
-        world_size = spec_of(first).world_size
+        world_size = spec_of(runnable[0]).world_size
         for other in [w for w in self.active if w != world_size]:
             self._close(other)
-        self._assign(first, world_size, self.active.get(world_size) or self._launch(world_size))
+        if world_size not in self.active:
+            self._launch(world_size)
 
     def _launch(self, world_size: int) -> RankSet:
         self._batches += 1
@@ -122,6 +123,8 @@ class Controller:
         current = self.active.get(world_size)
         if current is not None and item.nodeid in self.remaining.get(world_size, []):
             return current
+        if current is not None and not current.assigned:
+            return self._assign(item, world_size, current)  # launched at collection, warmed up
         if current is not None:
             self._close(world_size)
         return self._assign(item, world_size, self._launch(world_size))

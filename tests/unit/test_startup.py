@@ -1,7 +1,7 @@
 """Plain mode starts its rank set while it still collects, and a rank set nobody needs is reaped.
 
 The first distributed test collected launches torchrun (its ranks import torch while the parent
-collects the rest and decides the platform); the batch follows at the end of collection. Processes
+collects the rest and decides the platform); the batch follows when the session reaches it. Processes
 are looked for in ``/proc``: a rank set is the parent's ``torch.distributed.run`` child and its ranks
 (``pytest_megatron_fsdp.harness.rank_entry``, whose command line names the batch's directory).
 """
@@ -190,3 +190,34 @@ def test_a_rank_that_died_without_a_status_is_waited_for_through_torchrun(tmp_pa
     finally:
         rank_set.proc.kill()
         rank_set.proc.wait()
+
+
+ORDER_CONFTEST = """
+import os, pathlib
+if "RANK" in os.environ:  # a rank's pytest has started: it received its batch
+    pathlib.Path("rank-pytest-started").touch()
+"""
+
+PLAIN_FIRST = """
+import json, os, pathlib, time
+import pytest
+
+def test_a_plain_runs_first():
+    # the rank set was launched at collection; its batch must wait until the session gets there
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not pathlib.Path("rank-pytest-started").exists():
+        time.sleep(0.1)
+    assert not pathlib.Path("rank-pytest-started").exists(), "the ranks ran ahead of the session"
+
+@pytest.mark.distributed(world_size=2)
+def test_b_distributed(dist_env):
+    assert dist_env.world_size == 2
+"""
+
+
+def test_a_prestarted_rank_set_waits_for_the_session_to_reach_its_tests(pytester, isolated_tmp):
+    pytester.makeconftest(ORDER_CONFTEST)
+    pytester.makepyfile(test_order=PLAIN_FIRST)
+    result = pytester.runpytest_subprocess("--mfsdp-platform=cpu", timeout=300)
+    result.assert_outcomes(passed=2)
+    assert _processes_mentioning(str(pytester.path)) == []
