@@ -101,6 +101,19 @@ def pytest_configure(config: pytest.Config) -> None:
             config.stash[_RESTORE_SIGNALS] = install_signal_handlers(controller)
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Plain mode: the first distributed test collected starts its rank set, whose ranks import
+    # torch while this session collects the rest (its batch follows when the session reaches it).
+    controller = item.config.pluginmanager.get_plugin(_CONTROLLER)
+    if controller is None or item.get_closest_marker(protocol.MARKER) is None:
+        return
+    try:
+        spec = marker.parse(item)
+    except pytest.UsageError:
+        return  # reported with every other marker at the end of collection
+    controller.prestart(spec.world_size)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     marker.stash_specs(items)  # a bad marker is a usage error, before any rank work
     torchrun = TorchrunEnv.from_environ()
@@ -153,9 +166,11 @@ def _plan_plain_session(session: pytest.Session) -> None:
     remember_items(config, session.items)
     distributed = [i for i in session.items if protocol.spec_of(i) is not None]
     if not distributed:
+        config.pluginmanager.get_plugin(_CONTROLLER).close_all()  # a prestarted rank set, deselected
         return
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     lines = plan_platforms(controller, config.stash[options.OPTION_VALUES]["platform"], distributed)
+    controller.plan_first_batch(distributed)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(

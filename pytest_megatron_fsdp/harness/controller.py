@@ -48,23 +48,49 @@ class Controller:
         self.active: dict[int, RankSet] = {}
         self.remaining: dict[int, list[str]] = {}
         self._batches = 0
+        #: whether the session's first rank set was started (or ruled out) before collection ended
+        self._prestart_decided = False
 
     # -- batches ------------------------------------------------------------------------------------
 
-    def _rank_set_for(self, item: pytest.Item, world_size: int) -> RankSet:
-        current = self.active.get(world_size)
-        if current is not None and item.nodeid in self.remaining.get(world_size, []):
-            return current
-        if current is not None:
-            self._close(world_size)
-        batch = [
-            i
-            for i in self._upcoming(item)
-            if (spec := spec_of(i)) is not None
-            and UNHOSTABLE not in i.stash
-            and spec.world_size == world_size
-        ]
-        files = list(dict.fromkeys(str(i.path) for i in batch))
+    def prestart(self, world_size: int) -> None:
+        """Launch a rank set for ``world_size`` now, its tests to follow when the session reaches
+        them: its ranks import torch while this session still collects and decides the platform.
+
+        Once per session, for the first distributed test collected; not for ``--collect-only``, nor
+        in a pytest-xdist worker (which learns only later which tests it runs).
+        """
+        if self._prestart_decided:
+            return
+        self._prestart_decided = True
+        if self.config.option.collectonly or self._in_xdist_worker():
+            return
+        self.active[world_size] = self._launch(world_size)
+
+    def _in_xdist_worker(self) -> bool:
+        return hasattr(self.config, "workerinput")
+
+    def plan_first_batch(self, distributed: list[pytest.Item]) -> None:
+        """After collection: have a rank set warming up for the first distributed test to run.
+
+        A prestarted set no test will use (deselected, skipped for want of GPUs, another world size
+        first) is closed here, before it costs more than its start. The batch itself is given when
+        the session reaches that test, so tests still run one at a time, in order.
+        """
+        self._prestart_decided = True
+        runnable = [i for i in distributed if UNHOSTABLE not in i.stash]
+        if self.config.option.collectonly or not runnable:
+            self.close_all()
+            return
+        if self._in_xdist_worker():
+            return  # which tests this worker runs comes later, one by one: batches start with them
+        world_size = spec_of(runnable[0]).world_size
+        for other in [w for w in self.active if w != world_size]:
+            self._close(other)
+        if world_size not in self.active:
+            self._launch(world_size)
+
+    def _launch(self, world_size: int) -> RankSet:
         self._batches += 1
         # pytest-xdist: each worker's rank sets log apart (gw0-batch1-world2, ...), never mixed
         worker = getattr(self.config, "workerinput", {}).get("workerid")
@@ -73,18 +99,38 @@ class Controller:
         if self._batches == 1:
             # this process's previous rank-set logs (same worker id): this session's replace them
             for old in logs.parent.glob(f"{prefix}*-world*"):
-                shutil.rmtree(old, ignore_errors=True)
-        rank_set = RankSet(
-            world_size,
-            [(i.nodeid, spec_of(i).timeout_s) for i in batch],
-            files,
-            self._pytest_args(world_size),
-            logs,
-            self.config.invocation_params.dir,
+                if old != logs:
+                    shutil.rmtree(old, ignore_errors=True)
+        rank_set = RankSet(world_size, logs, self.config.invocation_params.dir)
+        self.active[world_size] = rank_set
+        return rank_set
+
+    def _assign(self, item: pytest.Item, world_size: int, rank_set: RankSet) -> RankSet:
+        """``rank_set`` runs ``item`` and every later test of its world size this session hosts."""
+        batch = [
+            i
+            for i in self._upcoming(item)
+            if (spec := spec_of(i)) is not None
+            and UNHOSTABLE not in i.stash
+            and spec.world_size == world_size
+        ]
+        files = list(dict.fromkeys(str(i.path) for i in batch))
+        rank_set.assign(
+            [(i.nodeid, spec_of(i).timeout_s) for i in batch], files, self._pytest_args(world_size)
         )
         self.active[world_size] = rank_set
         self.remaining[world_size] = [i.nodeid for i in batch]
         return rank_set
+
+    def _rank_set_for(self, item: pytest.Item, world_size: int) -> RankSet:
+        current = self.active.get(world_size)
+        if current is not None and item.nodeid in self.remaining.get(world_size, []):
+            return current
+        if current is not None and not current.assigned:
+            return self._assign(item, world_size, current)  # launched at collection, warmed up
+        if current is not None:
+            self._close(world_size)
+        return self._assign(item, world_size, self._launch(world_size))
 
     def _pytest_args(self, world_size: int) -> list[str]:
         """The parent's settings that shape how a test runs, for the ranks' pytest."""

@@ -45,10 +45,10 @@ from .protocol import (
 )
 from .session import RANK_SESSION, RankSession, TorchrunEnv
 
-
 #: How long a rank whose test timed out waits for the peers' flight records and stacks before it
 #: exits (a peer whose thread cannot get the GIL is dumped by faulthandler's C watchdog instead).
 PEER_DUMP_GRACE_S = 5.0
+
 
 class RankPlugin:
     """Registered in every torchrun rank, as ``mfsdp-rank``."""
@@ -209,6 +209,7 @@ class RankPlugin:
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
             reports = runtestprotocol(item, nextitem=nextitem, log=False)
+            self._check_after_test(item, reports, rank_session)
             merged = self._exchange_outcomes(item, index, reports, rank_session, deadline)
         for report in merged:
             item.ihook.pytest_runtest_logreport(report=report)
@@ -219,6 +220,34 @@ class RankPlugin:
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         self._event("finish", nodeid=item.nodeid)
         return True
+
+    def _check_after_test(
+        self, item: pytest.Item, reports: list[pytest.TestReport], rank_session: RankSession
+    ) -> None:
+        """The checks fixtures registered for after the test (``RankSession.after_test``); a problem
+        fails the test's teardown report (or joins it as a section when teardown already failed)."""
+        _release_failed_test_frames()
+
+        def check() -> None:
+            problems = rank_session.run_after_test_checks()
+            if problems:
+                pytest.fail("\n".join(problems), pytrace=False)
+
+        call = pytest.CallInfo.from_call(check, when="teardown")
+        if call.excinfo is None:
+            return
+        # Not through the makereport hook: that would release the peers and renew the process
+        # group, which a problem found after the test (no collective in flight) does not need.
+        found = pytest.TestReport.from_item_and_call(item, call)
+        teardown = next((r for r in reports if r.when == "teardown"), None)
+        if teardown is None:
+            reports.append(found)
+        elif teardown.failed:
+            teardown.sections.append(("megatron-fsdp: after the test", found.longreprtext))
+        else:
+            teardown.outcome = "failed"
+            teardown.longrepr = found.longrepr
+        self._log(f"after {item.nodeid}: {found.longreprtext}")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
@@ -362,6 +391,20 @@ class _WarningsAndAbove(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.WARNING or not record.name.startswith(self.PREFIXES)
+
+
+def _release_failed_test_frames() -> None:
+    """Drop pytest's reference to a test that failed in its call, as pytest does before the next.
+
+    pytest keeps the failure in ``sys.last_value`` / ``sys.last_traceback`` for post-mortem
+    debugging, which is over once the report is made (``--pdb`` runs during the call). Its frames
+    hold the test's locals, its model among them, until the next failure replaces them. Clearing
+    the frames is not enough: ``frame.clear()`` keeps the ``f_locals`` snapshot that pytest's
+    failure report took (Python 3.11 and 3.12).
+    """
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
 
 
 def _first_difference(reference: list[str], theirs: list[str], rank: int) -> str:

@@ -87,6 +87,7 @@ class RankSession:
         #: the rendezvous store, for the harness's own bounded-wait agreements (not collectives)
         self.store = harness_store
         self._on_release: list[Callable[[], None]] = []
+        self._after_test: list[Callable[[], str | None]] = []
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once per registration) each time the process group is about to go.
@@ -96,6 +97,18 @@ class RankSession:
         """
         if callback not in self._on_release:
             self._on_release.append(callback)
+
+    def after_test(self, check: Callable[[], str | None]) -> None:
+        """Run ``check`` once the current test is over: after its teardown, when pytest has dropped
+        its fixture values too (a fixture's own teardown runs while the test's other fixture values
+        are still held). A message it returns is reported as an error of the test, on every rank.
+        """
+        self._after_test.append(check)
+
+    def run_after_test_checks(self) -> list[str]:
+        """The problems the current test's checks found (each check runs once)."""
+        checks, self._after_test = self._after_test, []
+        return [problem for check in checks if (problem := check())]
 
     def _release_dependents(self) -> None:
         for callback in reversed(self._on_release):
