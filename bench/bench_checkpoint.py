@@ -4,10 +4,13 @@ Run on 2 ranks (CPU ranks over gloo here, GPUs over NCCL where there are two)::
 
     .venv-newest/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 bench/bench_checkpoint.py
 
-Both sides save and load the same fsdp_dtensor state dict (model DTensors, the optimizer's
-fsdp_dtensor state, per-rank RNG state); the plugin adds what makes it safe: config validation,
-file checks before the load, the collectives that agree on every outcome, fsync, the temp
-directory and its rename, the train-state file and the tracker, Megatron-FSDP's post-load hook.
+Both sides save and load the same fsdp_dtensor state dict in Megatron-LM's layout (model DTensors,
+the optimizer's fsdp_dtensor state, RNG states, data stream), built the same way; the plugin adds
+what makes it safe: config validation, a SHA-256 of every file taken while DCP writes it and
+checked before the load (each rank the files its read plan touches), the checks of keys, shapes
+and byte ranges (a second, side-effect-free build of the load's state dict), the collectives that
+agree on every outcome, fsync, the temp directory and its rename, the train-state file, the
+digests and the tracker, Megatron-FSDP's post-load hook and restoring RNGs and data stream.
 Each round's time is the slowest rank's; rank 0 prints medians and the ratio.
 """
 
@@ -56,6 +59,7 @@ def _bench(env, args) -> None:
 
     from pytest_megatron_fsdp.config import RunConfig, enable_megatron_fsdp
     from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
+    from pytest_megatron_fsdp.fsdp import megatron_layout
     from pytest_megatron_fsdp.fsdp.presets import DEFAULT_PRESET
     from pytest_megatron_fsdp.fsdp.training import TrainingRun
 
@@ -83,12 +87,11 @@ def _bench(env, args) -> None:
     def bare_round() -> float:
         dist.barrier()
         start = time.perf_counter()
-        state_dict, _ = ckpt._dcp_state_dict(run, is_loading=False)
-        ckpt._preprocess(state_dict)
+        state_dict = megatron_layout.save_state_dict(run, megatron_layout.local_save_state(run))
         dcp.save(state_dict, checkpoint_id=root / "bare")
-        state_dict, _ = ckpt._dcp_state_dict(run, is_loading=True)
-        ckpt._preprocess(state_dict)
-        dcp.load(state_dict, checkpoint_id=root / "bare")
+        metadata = dcp.FileSystemReader(root / "bare").read_metadata()
+        loaded = megatron_layout.load_state_dict(run, metadata)
+        dcp.load(loaded.state_dict, checkpoint_id=root / "bare")
         return slowest(time.perf_counter() - start)
 
     try:
@@ -99,7 +102,10 @@ def _bench(env, args) -> None:
             bare_s.append(bare_round())
     finally:
         dist.barrier()
-        size = sum(p.stat().st_size for p in (root / "plugin").rglob("*") if p.is_file())
+        files = [p for p in (root / "plugin").rglob("*") if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        # What the digests hash: every file of the iteration (the shards are most of it).
+        hashed = b"".join(p.read_bytes() for p in files if p.parent.name.startswith("iter_"))
         if env.rank == 0:
             shutil.rmtree(root, ignore_errors=True)
         run.close()
@@ -113,6 +119,37 @@ def _bench(env, args) -> None:
         print(f"  plugin save+load : median {1000 * plugin_med:8.1f} ms  (min {1000 * min(plugin_s):.1f})")
         print(f"  bare DCP save+load: median {1000 * bare_med:8.1f} ms  (min {1000 * min(bare_s):.1f})")
         print(f"  ratio plugin/bare: {plugin_med / bare_med:.2f}x")
+        print(f"  digest throughput on this checkpoint's {len(hashed)} bytes (one core, best of 5):")
+        for name, rate in _digest_throughputs(hashed).items():
+            print(f"    {name:<14} {rate / 1e9:6.2f} GB/s")
+
+
+def _digest_throughputs(data: bytes) -> dict[str, float]:
+    """Bytes per second of a few candidate digests over ``data``, measured side by side.
+
+    The checkpoint uses SHA-256 (fsdp/integrity.py); zlib's CRC-32 is the fastest baseline
+    there is (32 bits, not a hashlib digest).
+    """
+    import hashlib
+    import zlib
+
+    data = data * max(1, (64 << 20) // max(len(data), 1))  # ~64 MiB, so the rate is the hash's
+    candidates = {
+        "sha256": lambda: hashlib.sha256(data).digest(),
+        "blake2b": lambda: hashlib.blake2b(data).digest(),
+        "sha1": lambda: hashlib.sha1(data).digest(),
+        "md5": lambda: hashlib.md5(data).digest(),
+        "crc32 (zlib)": lambda: zlib.crc32(data),
+    }
+    rates = {}
+    for name, digest in candidates.items():
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            digest()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = len(data) / best
+    return rates
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ _LAZY = {
     "assert_last_loss_finite": "fsdp.assertions",
     "assert_loss_decreased": "fsdp.assertions",
     "assert_megatron_fsdp_sharded": "fsdp.assertions",
+    "assert_reproducible": "fsdp.reproducibility",
     "TrainingRun": "fsdp.training",
     "record_checkpoint": "reporting.metrics",
     "checkpoint_size_bytes": "fsdp.layout",

@@ -20,6 +20,7 @@ from .harness.session import RANK_SESSION, RankSession
 
 if TYPE_CHECKING:
     from .fsdp.fully_shard import FullyShardRun
+    from .fsdp.release import RunWatch
     from .fsdp.training import TrainingRun
 
 
@@ -110,9 +111,14 @@ def megatron_fsdp_run(
 
     recorder = TestRecorder(request.node)
     runs: list[TrainingRun] = []
+    watch = _watch_runs(request, megatron_parallel)
 
     def build(cfg: RunConfig | None = None) -> TrainingRun:
         run = TrainingRun(cfg or run_config, megatron_parallel, observer=recorder)
+        label = f"run {len(runs) + 1}"
+        watch.watch(f"{label}'s model", run.model)
+        watch.watch(f"{label}'s module", getattr(run.model, "module", None))
+        watch.watch(f"{label}'s optimizer", run.optimizer)
         recorder.started(run)
         runs.append(run)
         return run
@@ -120,8 +126,7 @@ def megatron_fsdp_run(
     try:
         yield build
     finally:
-        for run in runs:
-            run.close()
+        _close_all(runs)
 
 
 @pytest.fixture
@@ -151,11 +156,15 @@ def fully_shard_run(
     torch.manual_seed(RunConfig().train.seed)
     recorder = TestRecorder(request.node)
     runs: list[FullyShardRun] = []
+    watch = _watch_runs(request, dist_env)
 
     def build(module, optimizer, batches, loss_fn, **fully_shard_kwargs) -> FullyShardRun:
         run = FullyShardRun(
             module, optimizer, batches, loss_fn, dist_env, observer=recorder, **fully_shard_kwargs
         )
+        label = f"fully_shard run {len(runs) + 1}"
+        watch.watch(f"{label}'s model", run.model)
+        watch.watch(f"{label}'s optimizer", run.optimizer)
         recorder.started(run)
         runs.append(run)
         return run
@@ -163,8 +172,38 @@ def fully_shard_run(
     try:
         yield build
     finally:
-        for run in runs:
+        _close_all(runs)
+
+
+def _watch_runs(request: pytest.FixtureRequest, env: DistEnv) -> RunWatch:
+    """What the test builds must be gone after it (checked once pytest has dropped the test's
+    fixture values): a wrapper, module or optimizer still reachable, or on GPUs CUDA memory still
+    allocated, is an error of the test naming the bytes."""
+    from .fsdp.release import RunWatch, freeze_existing_objects
+
+    freeze_existing_objects()  # before the first run: makes the check's gc.collect() cheap
+    watch = RunWatch(env.device)
+
+    def check() -> str | None:
+        leftovers = watch.leftovers()
+        return None if leftovers is None else f"megatron-fsdp: {leftovers.describe()}"
+
+    _rank_session(request).after_test(check)
+    return watch
+
+
+def _close_all(runs: list) -> None:
+    """Close every run, and forget them: the factory, which the test's fixture values hold until
+    pytest drops them, must not keep them."""
+    errors = []
+    for run in runs:
+        try:
             run.close()
+        except Exception as exc:  # noqa: BLE001 - the other runs are closed all the same
+            errors.append(exc)
+    runs.clear()
+    if errors:
+        raise errors[0]
 
 
 @pytest.fixture
@@ -172,10 +211,13 @@ def checkpoint_dir(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterato
     """A fresh private (0700) directory, the same path on every rank, removed after the test.
 
     It lies in the session's shared directory; its name comes from the test id, so every rank
-    computes the same one without a collective.
+    computes the same one without a collective. After a failure that released the process group
+    the teardown skips its barrier (it could not complete) and leaves the directory to the
+    session's end, when the shared directory goes.
     """
     import torch.distributed as dist
 
+    session = _rank_session(request)
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:12]
     path = dist_env.shared_dir / f"ckpt-{digest}"
     if dist_env.rank == 0:
@@ -183,9 +225,9 @@ def checkpoint_dir(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterato
         path.mkdir(mode=0o700)
         os.chmod(path, 0o700)  # whatever the umask: checkpoints are unpickled on load
     dist.barrier()  # bounded by the process-group timeout
-    try:
-        yield path
-    finally:
-        dist.barrier()  # nobody removes it while another rank still reads it
-        if dist_env.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+    yield path
+    if session.collectives_released():
+        return
+    dist.barrier()  # nobody removes it while another rank still reads it
+    if dist_env.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)

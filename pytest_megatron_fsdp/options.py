@@ -162,6 +162,14 @@ OPTIONS: dict[str, Option] = {
             "true|false",
         ),
         Option(
+            "distributed-logs",
+            "keep torch.distributed's own DEBUG/INFO log records (DCP's per-call event log, c10d's) in "
+            "captured logs; default false: only their warnings and errors, the rest is noise in reports",
+            _boolean,
+            False,
+            "true|false",
+        ),
+        Option(
             "report-json",
             "write every distributed test's training metrics (loss, grad norm, step time, tokens/s, "
             "peak memory, checkpoint figures) as JSON to this file (schemas/mfsdp-report.schema.json)",

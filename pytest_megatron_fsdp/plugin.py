@@ -15,6 +15,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ from .fixtures import (  # noqa: F401  (fixtures)
 )
 from .fsdp import versions
 from .harness import protocol
-from .harness.controller import Controller, plan_platforms, remember_items
+from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .harness.platform import PlatformChoice, select_platform
 from .harness.rank import RankPlugin
 from .harness.session import RANK_SESSION, RankSession, TorchrunEnv
@@ -77,6 +79,7 @@ def _private_temp(config: pytest.Config, torchrun: TorchrunEnv) -> None:
 
 _CONTROLLER = "mfsdp-controller"
 PLATFORM = pytest.StashKey[PlatformChoice]()
+_RESTORE_SIGNALS = pytest.StashKey[Callable[[], None]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -144,11 +147,27 @@ def pytest_configure(config: pytest.Config) -> None:
             lambda: protocol.log_dir(config, values["log-dir"], "torchrun"),
             agreement_timeout_s=values["pg-timeout"],
             default_timeout_s=values["timeout"],
+            distributed_logs=values["distributed-logs"],
         )
         config.pluginmanager.register(rank_plugin, _RANK_PLUGIN)
     else:
         controller = Controller(config, options.forwarded_args(config), values["log-dir"])
         config.pluginmanager.register(controller, _CONTROLLER)
+        if threading.current_thread() is threading.main_thread():
+            config.stash[_RESTORE_SIGNALS] = install_signal_handlers(controller)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # Plain mode: the first distributed test collected starts its rank set, whose ranks import
+    # torch while this session collects the rest (its batch follows when the session reaches it).
+    controller = item.config.pluginmanager.get_plugin(_CONTROLLER)
+    if controller is None or item.get_closest_marker(protocol.MARKER) is None:
+        return
+    try:
+        spec = marker.parse(item)
+    except pytest.UsageError:
+        return  # reported with every other marker at the end of collection
+    controller.prestart(spec.world_size)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -203,9 +222,11 @@ def _plan_plain_session(session: pytest.Session) -> None:
     remember_items(config, session.items)
     distributed = [i for i in session.items if protocol.spec_of(i) is not None]
     if not distributed:
+        config.pluginmanager.get_plugin(_CONTROLLER).close_all()  # a prestarted rank set, deselected
         return
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     lines = plan_platforms(controller, config.stash[options.OPTION_VALUES]["platform"], distributed)
+    controller.plan_first_batch(distributed)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(
@@ -240,6 +261,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     private = config.stash.get(_RANK_TEMP, None)
     if private is not None:
         shutil.rmtree(private, ignore_errors=True)
+    restore = config.stash.get(_RESTORE_SIGNALS, None)
+    if restore is not None:
+        restore()
     if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
         from .harness import cuda_emulation
 

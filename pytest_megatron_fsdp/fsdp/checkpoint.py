@@ -1,31 +1,33 @@
-"""fsdp_dtensor checkpoints of a Megatron-FSDP run: save, load, resume (Megatron-Bridge's layout).
+"""fsdp_dtensor checkpoints of a Megatron-FSDP run: save, verify, load, resume, at any world size.
 
-Layout (what Bridge's ``verify_checkpoint_files`` checks)::
+Layout (Megatron-Bridge's, what its ``verify_checkpoint_files`` checks; see :mod:`.layout`)::
 
     <dir>/latest_checkpointed_iteration.txt   the last complete iteration, e.g. "5"
     <dir>/latest_train_state.pt               the train state of that iteration (plain data)
     <dir>/iter_0000005/.metadata              torch.distributed.checkpoint (DCP) metadata
-    <dir>/iter_0000005/__<rank>_0.distcp      one shard file per rank
+    <dir>/iter_0000005/__<rank>_0.distcp      the shards
     <dir>/iter_0000005/train_state.pt         the train state, inside the iteration it belongs to
+    <dir>/iter_0000005/digests.json           SHA-256 of every other file of the iteration
 
-The DCP state dict is Megatron-LM's for ``ckpt_format=fsdp_dtensor``: ``model`` (the wrapped
-model's DTensor state dict), ``optimizer`` (``DistributedOptimizer.sharded_state_dict(...,
-metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})``), both passed through
-``preprocess_state_dict_for_uneven_dtensor``; plus each rank's RNG and data-stream state as tensors
-under ``rng_state.rank_<r>`` (tensors only: DCP unpickles non-tensor values with
-``weights_only=False``).
+The DCP state dict is Megatron-LM's for ``ckpt_format=fsdp_dtensor`` (:mod:`.megatron_layout`).
 
 Atomic: every rank writes into ``iter_XXXXXXX.tmp-<uuid>``; only when all ranks report success
-(a collective every rank reaches) does rank 0 rename it to ``iter_XXXXXXX`` and then replace the
-train-state file and the tracker (write-temp + ``os.replace``). A failure anywhere, on any rank,
-leaves the previous checkpoint the latest and raises :class:`CheckpointError` on every rank.
+(a collective every rank reaches) does rank 0 write the train state and the digests, rename the
+directory to ``iter_XXXXXXX`` and then replace the train-state file and the tracker (write-temp +
+``os.replace``). A failure anywhere, on any rank, leaves the previous checkpoint the latest and
+raises :class:`CheckpointError` on every rank; a killed save leaves a ``.tmp-`` directory that is
+never loaded (the next completed save removes it).
 
-Loud: before any collective I/O, every rank checks the checkpoint (directory, tracker, iteration,
-``.metadata``, shard sizes against the metadata, train state, tensor shapes against this model)
-and the ranks agree on the problems through one collective, so every rank raises the same error
-and none waits for another.
+Verified: before a load changes anything, every rank checks the checkpoint (directory, tracker,
+``digests.json``, the digests of ``.metadata`` and ``train_state.pt`` before unpickling them, every
+byte range ``.metadata`` names against the file holding it, the train state), then the keys and
+global shapes this run would load, then the digest of every shard file its own read plan touches;
+the ranks agree on the problems through collectives, so every rank raises the same error, names
+the file, and none waits for another. Nothing depends on the world size the checkpoint was saved
+at: DCP reads the byte ranges ``.metadata`` names, so a checkpoint saved at N ranks loads at M.
 
-Trust: DCP's ``.metadata`` is a pickle. Load only checkpoints you (or your CI) wrote.
+Trust: DCP's ``.metadata`` and non-tensor values are pickles. Load only checkpoints you (or your CI)
+wrote; the digests detect damage, not a forger (who would rewrite ``digests.json`` too).
 
 megatron is imported where it is used, so the file checks work (and are unit-tested) with torch only.
 """
@@ -33,45 +35,73 @@ megatron is imported where it is used, so the file checks work (and are unit-tes
 from __future__ import annotations
 
 import os
-import random
 import shutil
+import signal
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 
-from .collectives import gather_problems
+from . import versions
+from .collectives import gather_objects, gather_problems
 from .config import ConfigError, validate
+from .integrity import (
+    FileDigest,
+    HashingStream,
+    ManifestError,
+    file_digest,
+    manifest_text,
+    read_manifest,
+    verify_files,
+)
 from .layout import (
+    DIGESTS_FILE,
     FORMAT,
     LATEST_TRAIN_STATE_FILE,
     METADATA_FILE,
     TRACKER_FILE,
     TRAIN_STATE_FILE,
+    CheckpointError,
+    CheckpointWarning,
     checkpoint_size_bytes,
+    is_partial_save_dir,
     iteration_dir_name,
-    shard_file_name,
+    partial_save_dir_name,
 )
+from .megatron_layout import OPTIMIZER_METADATA, model_state_dict
 
 if TYPE_CHECKING:
     from .training import TrainingRun
 
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": FORMAT}
+__all__ = [
+    "OPTIMIZER_METADATA",
+    "CheckpointError",
+    "CheckpointWarning",
+    "SavedCheckpoint",
+    "checkpoint_problems",
+    "flatten_state",
+    "load_checkpoint",
+    "model_state_dict",
+    "read_tracker",
+    "save_checkpoint",
+]
+
 #: what a rank catches to report to the others (DCP's CheckpointException is a BaseException)
 _FAILURES = (Exception, CheckpointException)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded; the message names the path and the problem."""
+#: test-only: ``<rank>@<iteration>`` makes that rank SIGKILL itself half-way through writing its
+#: shard of that iteration (what a node failure or an OOM kill does to a save)
+KILL_DURING_SAVE_ENV = "MFSDP_TEST_KILL_DURING_SAVE"
 
 
 @dataclass(frozen=True)
@@ -87,16 +117,7 @@ class SavedCheckpoint:
 
 
 # --------------------------------------------------------------------------------------------
-# agreement between ranks
-
-
-def _preprocess(state_dict: dict[str, Any]) -> None:
-    """Megatron-FSDP's chunk metadata for unevenly sharded DTensors (a collective per DTensor)."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        preprocess_state_dict_for_uneven_dtensor,
-    )
-
-    preprocess_state_dict_for_uneven_dtensor(state_dict)
+# helpers
 
 
 def _describe(exc: BaseException, limit: int = 1500) -> str:
@@ -113,133 +134,6 @@ def _raise_if_any(problems: list[str], what: str) -> None:
         raise CheckpointError(f"{what}: " + "; ".join(problems))
 
 
-# --------------------------------------------------------------------------------------------
-# the state dicts
-
-
-def model_state_dict(run: TrainingRun) -> dict[str, Any]:
-    state = run.model.state_dict()
-    if getattr(run.model.config, "fp8", False):
-        # Transformer Engine's opaque fp8 extra state is not a DTensor (Megatron-LM drops it too).
-        state = {k: v for k, v in state.items() if not k.endswith("._extra_state")}
-    return state
-
-
-def _rank_state(run: TrainingRun) -> dict[str, torch.Tensor]:
-    """This rank's RNGs and data-stream position, as tensors."""
-    py_version, py_internal, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "torch_cpu": torch.get_rng_state(),
-        "python": torch.tensor(list(py_internal), dtype=torch.int64),
-        "python_meta": torch.tensor(
-            [py_version, 0 if py_gauss is None else 1, 0.0 if py_gauss is None else py_gauss],
-            dtype=torch.float64,
-        ),
-        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-        "numpy_meta": torch.tensor([np_pos, np_has_gauss, np_gauss], dtype=torch.float64),
-        "data_stream": run.data_stream_state(),
-    }
-    if np_name != "MT19937":  # the only bit generator np.random's legacy state API has
-        raise CheckpointError(f"numpy's global RNG is {np_name!r}, not MT19937: cannot save its state")
-    if run.env.platform == "cuda":
-        state["torch_cuda"] = torch.cuda.get_rng_state()
-    from megatron.core import tensor_parallel
-
-    for name, tracker_state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
-        state[f"tracker.{name}"] = tracker_state.cpu()
-    return state
-
-
-def _set_rank_state(run: TrainingRun, state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["torch_cpu"])
-    version, has_gauss, gauss = state["python_meta"].tolist()
-    random.setstate(
-        (int(version), tuple(int(x) for x in state["python"].tolist()), gauss if has_gauss else None)
-    )
-    pos, np_has_gauss, np_gauss = state["numpy_meta"].tolist()
-    np.random.set_state(
-        ("MT19937", state["numpy_keys"].numpy().astype(np.uint32), int(pos), int(np_has_gauss), np_gauss)
-    )
-    if "torch_cuda" in state:
-        torch.cuda.set_rng_state(state["torch_cuda"])
-    tracker = {k[len("tracker.") :]: v for k, v in state.items() if k.startswith("tracker.")}
-    if tracker:
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
-    run.load_data_stream_state(state["data_stream"])
-
-
-def _rank_state_template(run: TrainingRun) -> dict[str, torch.Tensor]:
-    # DCP loads tensors in place, so the template only needs the right shapes and dtypes.
-    return {k: v.clone() for k, v in _rank_state(run).items()}
-
-
-def _optimizer_state_dict(
-    run: TrainingRun, model: dict[str, Any], *, is_loading: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The optimizer's fsdp_dtensor state dict, and the same with one key space on every rank.
-
-    megatron-core 0.16's DistributedOptimizer only has state for parameters whose local shard
-    is non-empty, so each rank's ``state`` names different parameters. DCP and
-    ``preprocess_state_dict_for_uneven_dtensor`` need every rank to present the same DTensor keys
-    in the same order (they run collectives per key); ranks that hold no shard of a parameter add
-    an empty-shard placeholder for it (newer Megatron-FSDP does the same). Returns
-    (the optimizer's own dict, the dict to hand to DCP); their per-parameter entries are shared.
-    """
-    own = run.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
-    state = own["state"]
-    template = next((v for v in state.values() if isinstance(v, dict) and "exp_avg" in v), None)
-    uniform: dict[str, Any] = {}
-    for name, param in run.model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if name in state:
-            uniform[name] = state[name]
-            continue
-        shard = model.get(name[len("module.") :])  # the optimizer's names carry one more "module."
-        if not isinstance(shard, DTensor):
-            raise CheckpointError(f"parameter {name} has no DTensor in the model state dict")
-        step = template["step"].clone() if template is not None else torch.zeros((), dtype=torch.float32)
-        dtype = template["exp_avg"].dtype if template is not None else torch.float32
-        uniform[name] = {
-            "step": step,
-            "exp_avg": torch.zeros_like(shard, dtype=dtype),
-            "exp_avg_sq": torch.zeros_like(shard, dtype=dtype),
-        }
-    for name in state.keys() - uniform.keys():
-        uniform[name] = state[name]
-    return own, {"state": uniform, "param_to_group_meta": own["param_to_group_meta"]}
-
-
-def _dcp_state_dict(run: TrainingRun, *, is_loading: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the state dict DCP saves or loads into, the optimizer's own state dict)."""
-    model = model_state_dict(run)
-    own, optimizer = _optimizer_state_dict(run, model, is_loading=is_loading)
-    rank_state = _rank_state_template(run) if is_loading else _rank_state(run)
-    state_dict = {
-        "model": model,
-        "optimizer": optimizer,
-        "rng_state": {f"rank_{run.env.rank}": rank_state},
-    }
-    return state_dict, own
-
-
-def _train_state(run: TrainingRun) -> dict[str, Any]:
-    """Plain data only, so that it loads with ``torch.load(weights_only=True)``."""
-    scheduler = getattr(run, "scheduler", None)
-    return {
-        "iteration": int(run.iteration),
-        "ckpt_format": FORMAT,
-        "world_size": int(run.env.world_size),
-        "sharding_strategy": run.cfg.ddp.data_parallel_sharding_strategy,
-        "seed": int(run.cfg.train.seed),
-        # TrainingRun keeps a constant learning rate; a run with a scheduler saves its state here.
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
-    }
-
-
 def flatten_state(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     # DCP's own key scheme: nested dict keys joined with ".".
     for key, value in state.items():
@@ -248,6 +142,30 @@ def flatten_state(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str
             yield from flatten_state(value, f"{name}.")
         else:
             yield name, value
+
+
+def _train_state(run: TrainingRun) -> dict[str, Any]:
+    """Plain data only, so that it loads with ``torch.load(weights_only=True)``."""
+    from megatron.core import parallel_state
+
+    scheduler = getattr(run, "scheduler", None)
+    return {
+        "iteration": int(run.iteration),
+        "ckpt_format": FORMAT,
+        "world_size": int(run.env.world_size),
+        "data_parallel_size": int(parallel_state.get_data_parallel_world_size()),
+        "tensor_model_parallel_size": int(run.cfg.model.tensor_model_parallel_size),
+        "pipeline_model_parallel_size": int(run.cfg.model.pipeline_model_parallel_size),
+        "context_parallel_size": int(run.cfg.model.context_parallel_size),
+        "sharding_strategy": run.cfg.ddp.data_parallel_sharding_strategy,
+        "seed": int(run.cfg.train.seed),
+        "saved_by": {
+            "torch": versions.package_version("torch"),
+            "megatron-core": versions.package_version("megatron-core"),
+        },
+        # TrainingRun keeps a constant learning rate; a run with a scheduler saves its state here.
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,9 +205,27 @@ def read_tracker(root: str | os.PathLike[str]) -> int:
         raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number") from None
 
 
-def _publish(root: Path, tmp_dir: Path, iteration: int, train_state: dict[str, Any]) -> None:
-    """Rank 0, after every rank wrote its shard: make the checkpoint visible, tracker last."""
+def _seal(tmp_dir: Path, train_state: dict[str, Any], written: dict[str, FileDigest | None]) -> None:
+    """Rank 0, after every rank wrote its shards: the train state, then the digest of every file.
+
+    ``written``: what the ranks hashed while writing (None: written out of order, hashed here).
+    """
     _write_atomically(tmp_dir / TRAIN_STATE_FILE, lambda f: torch.save(train_state, f))
+    metadata = dcp.FileSystemReader(tmp_dir).read_metadata()
+    files: dict[str, FileDigest] = {}
+    for path in sorted(tmp_dir.iterdir()):
+        if path.is_file() and path.name != DIGESTS_FILE:
+            digest = written.get(path.name)
+            files[path.name] = digest if digest is not None else file_digest(path)
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    missing = sorted(named - files.keys())
+    if missing:
+        raise CheckpointError(f"{tmp_dir / METADATA_FILE} names files that were not written: {missing}")
+    _write_atomically(tmp_dir / DIGESTS_FILE, lambda f: f.write(manifest_text(files).encode()))
+
+
+def _publish(root: Path, tmp_dir: Path, iteration: int, train_state: dict[str, Any]) -> None:
+    """Rank 0, once the iteration is sealed: make it visible, tracker last."""
     final = root / iteration_dir_name(iteration)
     old = None
     if final.exists():  # saving the same iteration again: swap, then drop the old one
@@ -302,10 +238,59 @@ def _publish(root: Path, tmp_dir: Path, iteration: int, train_state: dict[str, A
     _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    # What killed saves left behind (never loadable, see layout.is_partial_save_dir).
+    for leftover in root.iterdir():
+        if leftover.is_dir() and is_partial_save_dir(leftover.name):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
 # save
+
+
+def _kill_during_save(rank: int, iteration: int) -> bool:
+    return os.environ.get(KILL_DURING_SAVE_ENV, "") == f"{rank}@{iteration}"
+
+
+class _DigestingWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter, hashing every file as it writes it (no read-back at save)."""
+
+    def __init__(self, path: Path, *, die_while_writing: bool = False) -> None:
+        super().__init__(path)
+        #: file name -> what was written (None: not written sequentially; hash it from disk)
+        self.digests: dict[str, FileDigest | None] = {}
+        create_stream = self.fs.create_stream
+
+        @contextmanager
+        def hashing_stream(path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with create_stream(path, mode) as stream:
+                hashing = HashingStream(stream)
+                yield _DyingStream(hashing) if die_while_writing else hashing
+            self.digests[Path(path).name] = hashing.result()
+
+        self.fs.create_stream = hashing_stream
+
+
+class _DyingStream:
+    """Test hook: writes half of the first write, makes it durable, then SIGKILLs this process."""
+
+    def __init__(self, stream: HashingStream) -> None:
+        self._stream = stream
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._stream.write(view[: max(1, len(view) // 2)])
+        self._stream.flush()
+        os.fsync(self._stream.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL cannot be caught")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = None) -> SavedCheckpoint:
@@ -315,46 +300,56 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
     touching the disk) for a config upstream rejects, and :class:`CheckpointError` on every rank
     when any rank failed, in which case the previous checkpoint stays the latest.
     """
-    target = save_dir if save_dir is not None else run.cfg.checkpoint.save
+    layout = _layout_of(run)
+    cfg = getattr(run, "cfg", None)  # a fully_shard run has no RunConfig
+    target = save_dir if save_dir is not None or cfg is None else cfg.checkpoint.save
     if target is None:
         raise ConfigError("no checkpoint directory: pass save_dir or set checkpoint.save")
-    validate(run.cfg, run.env.world_size, purpose="save")
+    if cfg is not None:
+        validate(cfg, run.env.world_size, purpose="save")
     started = time.perf_counter()
     root = Path(target)
     iteration = int(run.iteration)
     rank0 = run.env.rank == 0
 
-    # Phase 1, local: the directories and the state dict (no collectives yet, so a failure here
-    # cannot leave another rank waiting inside DCP).
-    tmp_name = f"{iteration_dir_name(iteration)}.tmp-{uuid.uuid4().hex}"
-    names: list[str] = [tmp_name]
-    dist.broadcast_object_list(names, src=0)  # one temp dir for all ranks: rank 0's name
-    tmp_dir = root / names[0]
+    # Phase 1, local: the directories and this rank's state (no collectives yet, so a failure here
+    # cannot leave another rank waiting inside one).
+    tokens: list[str] = [uuid.uuid4().hex]
+    dist.broadcast_object_list(tokens, src=0)  # one temp dir for all ranks: rank 0's name
+    tmp_dir = root / partial_save_dir_name(iteration, tokens[0])
     problem = None
-    state_dict: dict[str, Any] = {}
+    local = None
     try:
         if rank0:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
             tmp_dir.mkdir(mode=0o700)
-        state_dict, _ = _dcp_state_dict(run, is_loading=False)
+        local = layout.local_save_state(run)
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: preparing the save failed: {_describe(exc)}"
     problems = gather_problems(problem)
 
-    # Phase 2, collective: DCP writes the shards and (rank 0) the metadata. DCP gathers every
-    # rank's write result, so a failure on one rank raises on all of them.
+    # Phase 2, collective: Megatron-LM's layout, then DCP writes the shards (hashing them) and
+    # (rank 0) the metadata. DCP gathers every rank's write result, so a failure on one rank
+    # raises on all of them.
+    written: dict[str, FileDigest | None] = {}
     if not problems:
         try:
-            _preprocess(state_dict)
-            dcp.save(state_dict, checkpoint_id=tmp_dir)
+            state_dict = layout.save_state_dict(run, local)
+            writer = _DigestingWriter(tmp_dir, die_while_writing=_kill_during_save(run.env.rank, iteration))
+            dcp.save(state_dict, storage_writer=writer)
+            written = writer.digests
         except _FAILURES as exc:
             problem = f"rank {run.env.rank}: writing the shards failed: {_describe(exc)}"
-        problems = gather_problems(problem)
+        outcomes = gather_objects((problem, written))
+        problems = list(dict.fromkeys(p for p, _ in outcomes if p is not None))
+        written = {name: digest for _, theirs in outcomes for name, digest in theirs.items()}
 
-    # Phase 3, rank 0: publish (rename, train state, tracker last); the others learn the outcome.
+    # Phase 3, rank 0: seal (train state, digests) and publish (rename, pointers, tracker last).
     if not problems and rank0:
         try:
-            _publish(root, tmp_dir, iteration, _train_state(run))
+            train_state = layout.train_state(run) if layout is not _megatron_layout() else _train_state(run)
+            _seal(tmp_dir, train_state, written)
+            _publish(root, tmp_dir, iteration, train_state)
         except _FAILURES as exc:
             problem = f"rank 0: publishing the checkpoint failed: {_describe(exc)}"
     if not problems:
@@ -372,74 +367,122 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
 
 
 # --------------------------------------------------------------------------------------------
-# checks and load
+# checks
 
 
-def checkpoint_problems(
-    root: str | os.PathLike[str], iteration: int | None = None, world_size: int | None = None
-) -> tuple[int | None, list[str]]:
-    """What is wrong with the checkpoint in ``root`` (at ``iteration``, default: the tracker's).
+@dataclass
+class _Inspection:
+    """What the local checks of one iteration found (and read, for the load to use)."""
 
-    Local (no collectives), reads only. Returns the iteration and a list of problems, each naming
-    the path: Bridge's ``verify_checkpoint_files`` and more (shard sizes against the metadata).
-    """
-    root = Path(root)
+    iteration: int | None
+    problems: list[str] = field(default_factory=list)
+    iter_dir: Path | None = None
+    metadata: Metadata | None = None
+    train_state: dict[str, Any] | None = None
+    #: None: saved before digests existed
+    manifest: dict[str, FileDigest] | None = None
+
+
+def _unverified_warning(iter_dir: Path) -> CheckpointWarning:
+    return CheckpointWarning(
+        f"{iter_dir} has no {DIGESTS_FILE} (saved before checkpoint digests existed): "
+        "its contents were not verified"
+    )
+
+
+def _inspect(root: Path, iteration: int | None, *, verify_all: bool) -> _Inspection:
+    """Local (no collectives), reads only. ``verify_all``: every file's digest; otherwise those of
+    ``.metadata`` and ``train_state.pt`` only (a load verifies the shards it reads, later)."""
     if not root.is_dir():
-        return iteration, [f"checkpoint directory {root} does not exist"]
+        return _Inspection(iteration, [f"checkpoint directory {root} does not exist"])
     if iteration is None:
         try:
             iteration = read_tracker(root)
         except CheckpointError as exc:
-            return None, [str(exc)]
-    iter_dir = root / iteration_dir_name(iteration)
+            return _Inspection(None, [str(exc)])
+    found = _Inspection(iteration, iter_dir=root / iteration_dir_name(iteration))
+    iter_dir = found.iter_dir
     if not iter_dir.is_dir():
-        return iteration, [f"{root / TRACKER_FILE} names iteration {iteration} but {iter_dir} does not exist"]
-    problems: list[str] = []
+        found.problems.append(
+            f"{root / TRACKER_FILE} names iteration {iteration} but {iter_dir} does not exist"
+        )
+        return found
     metadata_path = iter_dir / METADATA_FILE
     if not metadata_path.is_file():
-        return iteration, [f"{metadata_path} is missing: {iter_dir} is not a complete DCP checkpoint"]
+        found.problems.append(f"{metadata_path} is missing: {iter_dir} is not a complete DCP checkpoint")
+        return found
     try:
-        metadata = dcp.FileSystemReader(iter_dir).read_metadata()
+        found.manifest = read_manifest(iter_dir)
+    except ManifestError as exc:
+        found.problems.append(str(exc))
+        return found
+    if found.manifest is not None:
+        # Before anything unpickles them.
+        found.problems += verify_files(iter_dir, found.manifest, [METADATA_FILE, TRAIN_STATE_FILE])
+        if found.problems:
+            return found
+    try:
+        found.metadata = dcp.FileSystemReader(iter_dir).read_metadata()
     except _FAILURES as exc:
-        return iteration, [f"{metadata_path} cannot be read ({_describe(exc)})"]
+        found.problems.append(f"{metadata_path} cannot be read ({_describe(exc)})")
+        return found
+    # Driven by the metadata, not by file names: whichever world size saved it, every byte range
+    # it names must lie inside an existing file.
     needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
+    for info in (found.metadata.storage_data or {}).values():
         end = int(info.offset) + int(info.length)
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    expected = {shard_file_name(r) for r in range(world_size)} if world_size else set()
-    for name in sorted(expected - set(needed)):
-        problems.append(f"{iter_dir / name} is not in {metadata_path}: saved by another world size?")
     for name, end in sorted(needed.items()):
         shard = iter_dir / name
         if not shard.is_file():
-            problems.append(f"{shard} is missing (named in {metadata_path})")
+            found.problems.append(f"{shard} is missing (named in {metadata_path})")
         elif shard.stat().st_size < end:
-            problems.append(
+            found.problems.append(
                 f"{shard} is truncated: {shard.stat().st_size} bytes, {metadata_path} needs at least {end}"
             )
     train_state_path = iter_dir / TRAIN_STATE_FILE
     try:
-        train_state = torch.load(train_state_path, weights_only=True)
-        if train_state.get("iteration") != iteration or train_state.get("ckpt_format") != FORMAT:
-            problems.append(
-                f"{train_state_path} says iteration {train_state.get('iteration')!r}, "
-                f"format {train_state.get('ckpt_format')!r}; expected {iteration}, {FORMAT!r}"
+        found.train_state = torch.load(train_state_path, weights_only=True)
+        if found.train_state.get("iteration") != iteration or found.train_state.get("ckpt_format") != FORMAT:
+            found.problems.append(
+                f"{train_state_path} says iteration {found.train_state.get('iteration')!r}, "
+                f"format {found.train_state.get('ckpt_format')!r}; expected {iteration}, {FORMAT!r}"
             )
     except _FAILURES as exc:
-        problems.append(f"{train_state_path} cannot be read ({_describe(exc)})")
-    return iteration, problems
+        found.problems.append(f"{train_state_path} cannot be read ({_describe(exc)})")
+    if verify_all and found.manifest is not None and not found.problems:
+        found.problems += verify_files(iter_dir, found.manifest, set(needed) | set(found.manifest))
+    return found
 
 
-def _shape_problems(iter_dir: Path, state_dict: dict[str, Any]) -> list[str]:
-    """Keys and global shapes this run expects that the checkpoint's metadata lacks or differs in."""
-    metadata = dcp.FileSystemReader(iter_dir).read_metadata()
+def checkpoint_problems(
+    root: str | os.PathLike[str], iteration: int | None = None
+) -> tuple[int | None, list[str]]:
+    """What is wrong with the checkpoint in ``root`` (at ``iteration``, default: the tracker's).
+
+    Local (no collectives), reads only, every file: Bridge's ``verify_checkpoint_files`` and more
+    (every byte range ``.metadata`` names lies inside its file; every file matches its digest).
+    Returns the iteration and a list of problems, each naming the path. A checkpoint saved before
+    digests existed has no problem for that, but a :class:`CheckpointWarning` says it was not verified.
+    """
+    found = _inspect(Path(root), iteration, verify_all=True)
+    if not found.problems and found.manifest is None and found.iter_dir is not None:
+        warnings.warn(_unverified_warning(found.iter_dir), stacklevel=2)
+    return found.iteration, found.problems
+
+
+def _key_problems(iter_dir: Path, metadata: Metadata, state_dict: dict[str, Any]) -> list[str]:
+    """Keys this run would load that the checkpoint lacks, and global shapes that differ."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     saved = metadata.state_dict_metadata
     problems: list[str] = []
-    for key, value in flatten_state(state_dict):
-        if not isinstance(value, torch.Tensor):
-            continue
+    flat, _ = flatten_state_dict(state_dict)  # DCP's own keys (lists, e.g. param_groups, included)
+    for key, value in flat.items():
         if key not in saved:
             problems.append(f"{key} is not in the checkpoint")
+            continue
+        if not isinstance(value, torch.Tensor):
             continue
         have = tuple(getattr(saved[key], "size", ()))
         want = tuple(value.shape)  # a DTensor's shape is the global one
@@ -451,69 +494,120 @@ def _shape_problems(iter_dir: Path, state_dict: dict[str, Any]) -> list[str]:
     return []
 
 
+def files_read_by(state_dict: dict[str, Any], metadata: Metadata) -> set[str]:
+    """The files of a checkpoint that loading ``state_dict`` on this rank reads: DCP's own local
+    read plan (local; ``state_dict`` preprocessed as for the load)."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, metadata, False)
+    plan = planner.create_local_plan()
+    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
+
+
+# --------------------------------------------------------------------------------------------
+# load
+
+
+def _megatron_layout() -> Any:
+    from . import megatron_layout
+
+    return megatron_layout
+
+
+def _layout_of(run: Any) -> Any:
+    """The module that builds and applies ``run``'s state dicts: Megatron-LM's layout for a
+    megatron-core run, ``fully_shard``'s own state dicts for a :class:`FullyShardRun`."""
+    if hasattr(run, "cfg"):
+        return _megatron_layout()
+    from . import fully_shard_layout
+
+    return fully_shard_layout
+
+
 def load_checkpoint(
     run: TrainingRun, load_dir: str | os.PathLike[str] | None = None, iteration: int | None = None
 ) -> int:
     """Load the checkpoint in ``load_dir`` (default ``run.cfg.checkpoint.load``) into ``run``.
 
-    Every rank calls it. Loads the model weights (made live at once, not at the next step), the
-    optimizer state, every rank's RNGs and data-stream position, and the iteration; returns the
-    iteration. Raises :class:`ConfigError` (before touching the disk) or :class:`CheckpointError`
-    on every rank, with the path and the problem; a bad checkpoint leaves ``run`` unchanged.
+    Every rank calls it, at any world size and sharding strategy. Loads the model weights (made
+    live at once, not at the next step), the optimizer state, the RNGs and data-stream position
+    (see ``megatron_layout.restore_run_state`` for a change of data-parallel size), and the
+    iteration; returns the iteration. Raises :class:`ConfigError` (before touching the disk) or
+    :class:`CheckpointError` on every rank, with the path and the problem; a checkpoint refused by
+    the checks (damaged, incomplete, another model) leaves ``run`` unchanged.
     """
-    source = load_dir if load_dir is not None else run.cfg.checkpoint.load
+    layout = _layout_of(run)
+    cfg = getattr(run, "cfg", None)  # a fully_shard run has no RunConfig
+    source = load_dir if load_dir is not None or cfg is None else cfg.checkpoint.load
     if source is None:
         raise ConfigError("no checkpoint directory: pass load_dir or set checkpoint.load")
-    validate(run.cfg, run.env.world_size, purpose="load")
+    if cfg is not None:
+        validate(cfg, run.env.world_size, purpose="load")
     started = time.perf_counter()
     root = Path(source)
 
-    # Every rank checks (reads only), then one collective: the same verdict everywhere.
-    problem = None
-    found = iteration
+    # 1. Every rank checks the files it will read anyway (reads only), then one collective: the
+    #    same verdict everywhere.
     try:
-        found, problems = checkpoint_problems(root, iteration, run.env.world_size)
-        if not problems:
-            problems = _shape_problems(root / iteration_dir_name(found), {"model": model_state_dict(run)})
+        found = _inspect(root, iteration, verify_all=False)
+        problem = "; ".join(found.problems) or None
+    except _FAILURES as exc:
+        found, problem = None, f"checking {root} failed: {_describe(exc)}"
+    _raise_if_any(gather_problems(problem), f"cannot load a checkpoint from {root}")
+    assert found is not None and found.iter_dir is not None and found.metadata is not None
+    iter_dir, metadata, train_state = found.iter_dir, found.metadata, found.train_state
+    assert train_state is not None and found.iteration is not None
+
+    # 2. What this run loads into, built without changing it (collectives: Megatron-LM's
+    #    handlers and the uneven-DTensor metadata); its keys and shapes against the checkpoint's,
+    #    and the digest of every file this rank's read plan touches. Nothing changed on refusal.
+    problem = None
+    try:
+        loaded = layout.load_state_dict(run, metadata)
+        problems = _key_problems(iter_dir, metadata, loaded.state_dict)
+        if not problems and found.manifest is not None:
+            problems = verify_files(iter_dir, found.manifest, files_read_by(loaded.state_dict, metadata))
         problem = "; ".join(problems) or None
     except _FAILURES as exc:
-        problem = f"checking {root} failed: {_describe(exc)}"
+        problem = f"rank {run.env.rank}: checking what to load failed: {_describe(exc)}"
     _raise_if_any(gather_problems(problem), f"cannot load a checkpoint from {root}")
-    assert found is not None
-    iter_dir = root / iteration_dir_name(found)
+    if found.manifest is None:
+        warnings.warn(_unverified_warning(iter_dir), stacklevel=2)
 
-    # The collective load. The optimizer's is_loading state dict allocates Adam's state (a zero
-    # step) so DCP has tensors to load into, as Megatron-LM does.
+    # 3. The collective load, into the dicts just checked.
     problem = None
-    state_dict: dict[str, Any] = {}
-    optimizer_state: dict[str, Any] = {}
     try:
-        state_dict, optimizer_state = _dcp_state_dict(run, is_loading=True)
-        _preprocess(state_dict)
-    except _FAILURES as exc:
-        problem = f"rank {run.env.rank}: preparing the load failed: {_describe(exc)}"
-    _raise_if_any(gather_problems(problem), f"loading {iter_dir} failed")
-    try:
-        dcp.load(state_dict, checkpoint_id=iter_dir)
-        # DCP wrote into the DTensors in place; load_state_dict runs Megatron-FSDP's post-load
-        # hook, which copies the loaded main weights into the weights the forward pass uses
-        # (without it they stay inactive until the first optimizer step: Bridge bug #3397).
-        # (FullyShardedDataParallel.load_state_dict adds back the "module." its state_dict adds.)
-        run.model.load_state_dict({_strip_module(k): v for k, v in state_dict["model"].items()})
-        if run.cfg.ddp.data_parallel_sharding_strategy != "no_shard":
-            # Drop parameter buckets all-gathered before the load (the optimizer step prefetches
-            # the next forward's): else a run that trained before loading computes its next
-            # forward with the old weights. no_shard gathers nothing (it has no weight buffer).
-            run.model.module.synchronize_param_gather()
-        run.optimizer.load_state_dict(optimizer_state)
-        _set_rank_state(run, state_dict["rng_state"][f"rank_{run.env.rank}"])
-        train_state = torch.load(iter_dir / TRAIN_STATE_FILE, weights_only=True)
-        run.iteration = int(train_state["iteration"])
-        scheduler = getattr(run, "scheduler", None)
-        if scheduler is not None and train_state.get("scheduler") is not None:
-            scheduler.load_state_dict(train_state["scheduler"])
+        dcp.load(loaded.state_dict, storage_reader=dcp.FileSystemReader(iter_dir))
+        if layout is _megatron_layout():
+            _apply_megatron_load(run, loaded, metadata, train_state)
+        else:
+            layout.apply_loaded(run, loaded, train_state)
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: {_describe(exc)}"
     _raise_if_any(gather_problems(problem), f"loading {iter_dir} failed")
     run.notify_checkpoint(load_s=time.perf_counter() - started)
-    return found
+    return found.iteration
+
+
+def _apply_megatron_load(
+    run: TrainingRun, loaded: Any, metadata: Metadata, train_state: dict[str, Any]
+) -> None:
+    """After DCP filled ``loaded``: make it the run's state (megatron-core's wrapper and optimizer)."""
+    from . import megatron_layout
+
+    # DCP wrote into the DTensors in place (SwiGLU's _w/_v halves are views of the raw
+    # tensors); load_state_dict runs Megatron-FSDP's post-load hook, which copies the loaded
+    # main weights into the weights the forward pass uses (without it they stay inactive
+    # until the first optimizer step: Bridge bug #3397). (FullyShardedDataParallel.load_state_dict
+    # adds back the "module." its state_dict adds.)
+    run.model.load_state_dict({_strip_module(k): v for k, v in loaded.raw_model.items()})
+    if run.cfg.ddp.data_parallel_sharding_strategy != "no_shard":
+        # Drop parameter buckets all-gathered before the load (the optimizer step prefetches
+        # the next forward's): else a run that trained before loading computes its next
+        # forward with the old weights. no_shard gathers nothing (it has no weight buffer).
+        run.model.module.synchronize_param_gather()
+    megatron_layout.install_optimizer_state(run, loaded)
+    megatron_layout.restore_run_state(run, loaded, metadata, train_state)
+    run.iteration = int(train_state["iteration"])
+    scheduler = getattr(run, "scheduler", None)
+    if scheduler is not None and train_state.get("scheduler") is not None:
+        scheduler.load_state_dict(train_state["scheduler"])

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..environment import DistEnv
+from .release import release_grad_hooks
 from .results import RunFacts, TrainResult
 
 #: ``loss_fn(model, batch) -> scalar loss tensor``
@@ -149,6 +150,8 @@ class FullyShardRun:
             self.observer.on_checkpoint(self, figures)
 
     def close(self) -> None:
+        """Release the wrapped model and optimizer (see ``TrainingRun.close``; again: a no-op)."""
+        release_grad_hooks(self.model)
         self.model = None
         self.optimizer = None
 

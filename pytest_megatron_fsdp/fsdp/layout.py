@@ -1,24 +1,39 @@
-"""The on-disk layout of an fsdp_dtensor checkpoint (Megatron-Bridge's), as names: no torch.
+"""The on-disk layout of an fsdp_dtensor checkpoint (Megatron-Bridge's), as names, and the
+errors and warnings checkpoints raise: plain Python, no torch.
 
 ::
 
     <dir>/latest_checkpointed_iteration.txt   the last complete iteration, e.g. "5"
     <dir>/latest_train_state.pt               the train state of that iteration (plain data)
     <dir>/iter_0000005/.metadata              torch.distributed.checkpoint (DCP) metadata
-    <dir>/iter_0000005/__<rank>_0.distcp      one shard file per rank
+    <dir>/iter_0000005/__<rank>_0.distcp      the shards, one file per rank that saved
     <dir>/iter_0000005/train_state.pt         the train state, inside the iteration it belongs to
+    <dir>/iter_0000005/digests.json           a digest of every other file of the iteration
+    <dir>/iter_0000006.tmp-<uuid>/            a save in progress (or killed): never loaded
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 LATEST_TRAIN_STATE_FILE = "latest_train_state.pt"
 TRAIN_STATE_FILE = "train_state.pt"
 METADATA_FILE = ".metadata"
+DIGESTS_FILE = "digests.json"
 FORMAT = "fsdp_dtensor"
+#: the directory a save writes into before it is complete: ``iter_0000006.tmp-<uuid>``
+_PARTIAL_SAVE = re.compile(r"^iter_\d{7,}\.tmp-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded; the message names the path and the problem."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded with less than the usual guarantees (the message says which)."""
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -26,8 +41,18 @@ def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+def partial_save_dir_name(iteration: int, token: str) -> str:
+    """Where a save of ``iteration`` writes until every rank is done (``token``: hex, unique)."""
+    return f"{iteration_dir_name(iteration)}.tmp-{token}"
+
+
+def is_partial_save_dir(name: str) -> bool:
+    """Whether ``name`` is a save that never completed (or is still in progress)."""
+    return _PARTIAL_SAVE.match(name) is not None
+
+
 def shard_file_name(rank: int) -> str:
-    """The shard file DCP's FileSystemWriter writes for ``rank`` (one file per rank)."""
+    """The first shard file DCP's FileSystemWriter writes for ``rank``."""
     return f"__{rank}_0.distcp"
 
 

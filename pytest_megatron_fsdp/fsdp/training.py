@@ -25,6 +25,7 @@ from . import model as model_builder
 from .config import ConfigWarning, RunConfig, validate
 from .parallel import initialize_model_parallel
 from .presets import ModelPreset
+from .release import release_grad_hooks
 from .results import RunFacts, TrainResult
 
 
@@ -114,9 +115,13 @@ class TrainingRun:
         )
         gpt = model_builder.build_gpt(cfg, self.preset, env)
         self.model = model_builder.wrap_data_parallel(cfg, gpt, env)
-        self.optimizer = get_megatron_optimizer(
-            model_builder.optimizer_config(cfg, self.preset, env), [self.model]
-        )
+        try:
+            self.optimizer = get_megatron_optimizer(
+                model_builder.optimizer_config(cfg, self.preset, env), [self.model]
+            )
+        except BaseException:
+            self.close()  # else the wrapper's hooks keep it alive for the rest of the process
+            raise
         config = self.model.config
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
@@ -233,11 +238,14 @@ class TrainingRun:
         return self._data_parallel_mean(local)
 
     def close(self) -> None:
-        """Drop this run's model and optimizer.
+        """Release this run's model and optimizer (again: a no-op).
 
-        Megatron's model-parallel state stays up for the next run or test with the same sizes;
-        the rank session tears it down with the process group.
+        First the hooks that would keep the wrapper alive forever (``fsdp.release``), then the
+        references: once the caller's are gone too, the garbage collector frees the model, its
+        gradients and the optimizer state. Megatron's model-parallel state stays up for the next
+        run or test with the same sizes; the rank session tears it down with the process group.
         """
+        release_grad_hooks(self.model)
         self.model = None
         self.optimizer = None
         self.scheduler = None

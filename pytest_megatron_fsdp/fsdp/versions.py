@@ -298,3 +298,67 @@ KNOWN_BUGS = {
     "tensor_parallel_without_te": TENSOR_PARALLEL_WITHOUT_TE,
     "fsdp2_finish_grad_sync": FSDP2_FINISH_GRAD_SYNC,
 }
+
+
+# -- Megatron-LM checkpoint layout --------------------------------------------------------------
+
+
+NO_MEGATRON_LM_LAYOUT = (
+    "this megatron-core has no megatron/core/transformer/fsdp_dtensor_checkpoint.py (it ships from "
+    "0.16 on): Megatron-LM's fsdp_dtensor key layout (SwiGLU split into _w/_v) cannot be produced"
+)
+
+
+class MegatronLMHandlers:
+    """megatron-core's fsdp_dtensor state-dict handlers, under names saying what each does."""
+
+    def __init__(self, module: Any) -> None:
+        self.drop_extra_state = module.handle_fp8_extra_state_case
+        self.split_swiglu = module.handle_swiglu_in_state_dict
+        self.globalize_experts = module.handle_experts_in_state_dict
+
+
+def megatron_lm_fsdp_dtensor_handlers() -> MegatronLMHandlers | None:
+    """The handlers Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` calls, from
+    ``megatron.core.transformer.fsdp_dtensor_checkpoint``; None where that module is missing
+    (megatron-core before 0.16). Imports megatron: call it inside a rank."""
+    try:
+        from megatron.core.transformer import fsdp_dtensor_checkpoint
+    except ImportError:
+        return None
+    needed = ("handle_fp8_extra_state_case", "handle_swiglu_in_state_dict", "handle_experts_in_state_dict")
+    if not all(hasattr(fsdp_dtensor_checkpoint, name) for name in needed):
+        return None
+    return MegatronLMHandlers(fsdp_dtensor_checkpoint)
+
+
+SWIGLU_HANDLER_LOOKUP_BUG = (
+    "upstream bug: megatron-core's handle_swiglu_in_state_dict (called by Megatron-LM's "
+    "preprocess_fsdp_dtensor_state_dict) finds parameters with model.get_parameter(f'module.{key}') for "
+    "model keys and key[len('module.'):] for optimizer keys; with Megatron-FSDP's wrapper the optimizer's "
+    "names carry one 'module.' per wrapper (AttributeError: MegatronFSDP has no attribute 'decoder'), and "
+    "a bf16 model's Float16Module breaks the model-key lookup too. Seen on megatron-core 0.16.1 and 0.19.2; "
+    "related open reports: NVIDIA/Megatron-LM#5265, NVIDIA-NeMo/Megatron-Bridge#4236. The harness calls the "
+    "handler with a view of the model that resolves names below all wrappers"
+)
+
+
+def swiglu_handler_lookup_bug() -> bool:
+    """Megatron-LM's own fsdp_dtensor preprocessing fails on a SwiGLU Megatron-FSDP model (see the
+    message); seen on 0.16.1 and 0.19.2, assumed until a newer megatron-core is checked."""
+    return megatron_core_version() < (0, 20)
+
+
+def megatron_lm_training_installed() -> bool:
+    """Whether ``megatron.training`` (Megatron-LM's training loop and checkpointing) is installed: the
+    megatron-core 0.19 wheel ships it, 0.16's does not. Looks for the file: importing
+    ``megatron.training`` would import all of megatron-core (at collection, before any CUDA emulation)."""
+    import os
+    from importlib import util
+
+    try:
+        spec = util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return False
+    roots = spec.submodule_search_locations if spec is not None else None
+    return any(os.path.isfile(os.path.join(root, "training", "checkpointing.py")) for root in roots or ())

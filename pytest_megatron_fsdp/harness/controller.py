@@ -14,11 +14,13 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from . import flight_recorder
 from .launcher import RankSet, describe_exit
 from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, log_dir, spec_of
 
@@ -47,42 +49,89 @@ class Controller:
         self.active: dict[int, RankSet] = {}
         self.remaining: dict[int, list[str]] = {}
         self._batches = 0
+        #: whether the session's first rank set was started (or ruled out) before collection ended
+        self._prestart_decided = False
 
     # -- batches ------------------------------------------------------------------------------------
 
-    def _rank_set_for(self, item: pytest.Item, world_size: int) -> RankSet:
-        current = self.active.get(world_size)
-        if current is not None and item.nodeid in self.remaining.get(world_size, []):
-            return current
-        if current is not None:
-            self._close(world_size)
-        items = self.config.stash[_SESSION_ITEMS]
-        start = items.index(item)
+    def prestart(self, world_size: int) -> None:
+        """Launch a rank set for ``world_size`` now, its tests to follow when the session reaches
+        them: its ranks import torch while this session still collects and decides the platform.
+
+        Once per session, for the first distributed test collected; not for ``--collect-only``, nor
+        in a pytest-xdist worker (which learns only later which tests it runs).
+        """
+        if self._prestart_decided:
+            return
+        self._prestart_decided = True
+        if self.config.option.collectonly or self._in_xdist_worker():
+            return
+        self.active[world_size] = self._launch(world_size)
+
+    def _in_xdist_worker(self) -> bool:
+        return hasattr(self.config, "workerinput")
+
+    def plan_first_batch(self, distributed: list[pytest.Item]) -> None:
+        """After collection: have a rank set warming up for the first distributed test to run.
+
+        A prestarted set no test will use (deselected, skipped for want of GPUs, another world size
+        first) is closed here, before it costs more than its start. The batch itself is given when
+        the session reaches that test, so tests still run one at a time, in order.
+        """
+        self._prestart_decided = True
+        runnable = [i for i in distributed if UNHOSTABLE not in i.stash]
+        if self.config.option.collectonly or not runnable:
+            self.close_all()
+            return
+        if self._in_xdist_worker():
+            return  # which tests this worker runs comes later, one by one: batches start with them
+        world_size = spec_of(runnable[0]).world_size
+        for other in [w for w in self.active if w != world_size]:
+            self._close(other)
+        if world_size not in self.active:
+            self._launch(world_size)
+
+    def _launch(self, world_size: int) -> RankSet:
+        self._batches += 1
+        # pytest-xdist: each worker's rank sets log apart (gw0-batch1-world2, ...), never mixed
+        worker = getattr(self.config, "workerinput", {}).get("workerid")
+        prefix = f"{worker}-batch" if worker else "batch"
+        logs = self.log_dir(f"{prefix}{self._batches}-world{world_size}")
+        if self._batches == 1:
+            # this process's previous rank-set logs (same worker id): this session's replace them
+            for old in logs.parent.glob(f"{prefix}*-world*"):
+                if old != logs:
+                    shutil.rmtree(old, ignore_errors=True)
+        rank_set = RankSet(world_size, logs, self.config.invocation_params.dir)
+        self.active[world_size] = rank_set
+        return rank_set
+
+    def _assign(self, item: pytest.Item, world_size: int, rank_set: RankSet) -> RankSet:
+        """``rank_set`` runs ``item`` and every later test of its world size this session hosts."""
         batch = [
             i
-            for i in items[start:]
+            for i in self._upcoming(item)
             if (spec := spec_of(i)) is not None
             and UNHOSTABLE not in i.stash
             and spec.world_size == world_size
         ]
         files = list(dict.fromkeys(str(i.path) for i in batch))
-        self._batches += 1
-        logs = self.log_dir(f"batch{self._batches}-world{world_size}")
-        if self._batches == 1:
-            # the previous session's rank-set logs: this session's replace them
-            for old in logs.parent.glob("batch*-world*"):
-                shutil.rmtree(old, ignore_errors=True)
-        rank_set = RankSet(
-            world_size,
-            [(i.nodeid, spec_of(i).timeout_s) for i in batch],
-            files,
-            self._pytest_args(world_size),
-            logs,
-            self.config.invocation_params.dir,
+        rank_set.assign(
+            [(i.nodeid, spec_of(i).timeout_s) for i in batch], files, self._pytest_args(world_size)
         )
         self.active[world_size] = rank_set
         self.remaining[world_size] = [i.nodeid for i in batch]
         return rank_set
+
+    def _rank_set_for(self, item: pytest.Item, world_size: int) -> RankSet:
+        current = self.active.get(world_size)
+        if current is not None and item.nodeid in self.remaining.get(world_size, []):
+            return current
+        if current is not None and not current.assigned:
+            return self._assign(item, world_size, current)  # launched at collection, warmed up
+        if current is not None:
+            self._close(world_size)
+        return self._assign(item, world_size, self._launch(world_size))
 
     def _pytest_args(self, world_size: int) -> list[str]:
         """The parent's settings that shape how a test runs, for the ranks' pytest."""
@@ -110,6 +159,24 @@ class Controller:
         if rank_set is not None:
             rank_set.close()
 
+    def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
+        """``item`` and the tests this process will run after it, in order.
+
+        A plain session runs everything it collected. A pytest-xdist worker runs what its
+        controller sends: the current test, the next one and those already queued (later ones
+        arrive while it runs; a test not yet sent gets a rank set of its own when it comes).
+        """
+        items = self.config.stash[_SESSION_ITEMS]
+        interactor = next(
+            (p for p in self.config.pluginmanager.get_plugins() if type(p).__name__ == "WorkerInteractor"),
+            None,
+        )
+        if interactor is None or not hasattr(self.config, "workerinput"):
+            return items[items.index(item) :]
+        with interactor.torun.lock() as queued:
+            indices = [interactor.nextitem_index, *queued]
+        return [item] + [items[i] for i in indices if isinstance(i, int)]
+
     def close_all(self) -> None:
         for world_size in list(self.active):
             self._close(world_size)
@@ -127,7 +194,20 @@ class Controller:
         world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        reports = self._collect_reports(item, rank_set)
+        try:
+            reports = self._collect_reports(item, rank_set)
+        except KeyboardInterrupt:
+            # SIGINT, or SIGTERM (a CI cancel; see install_signal_handlers): the running test fails
+            # with what its ranks had logged, its rank set is killed, and pytest then ends the session
+            # as interrupted, writing JUnit XML and the report for every finished test.
+            rank_set.kill()
+            reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + self._death(
+                rank_set, spec.timeout_s, interrupted=True
+            )
+            report = self._failure(item, rank_set, [], True, reason)
+            item.ihook.pytest_runtest_logreport(report=report)
+            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+            raise
         reports += self._teardown_local_state(item, nextitem)
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
@@ -200,7 +280,11 @@ class Controller:
                     if event["nodeid"] != item.nodeid:
                         return reports + [
                             self._failure(
-                                item, rank_set, reports, f"the rank set ran {event['nodeid']} instead"
+                                item,
+                                rank_set,
+                                reports,
+                                started,
+                                f"the rank set ran {event['nodeid']} instead",
                             )
                         ]
                     deadline = time.monotonic() + timeout + KILL_GRACE_S
@@ -228,7 +312,9 @@ class Controller:
                 return reports + [self._failure(item, rank_set, reports, started, reason)]
             time.sleep(0.05)
 
-    def _death(self, rank_set: RankSet, timeout: float, killed_after: float | None = None) -> str:
+    def _death(
+        self, rank_set: RankSet, timeout: float, killed_after: float | None = None, interrupted: bool = False
+    ) -> str:
         """Why the rank set ended before the test did, with each rank's stacks or log tail."""
         timed_out = [r for r in range(rank_set.world_size) if TIMEOUT_BANNER in rank_set.rank_log(r)]
         exits, root = rank_set.rank_exits()
@@ -238,6 +324,7 @@ class Controller:
                 f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
                 "and the rank set was killed"
             )
+            lines += self._collectives(rank_set)
         died = {r: c for r, c in exits.items() if c != TIMEOUT_EXIT_CODE}
         if died and not timed_out:
             order = ([root] if root in died else []) + sorted(r for r in died if r != root)
@@ -247,7 +334,7 @@ class Controller:
                 lines.append(
                     f"rank {r} then ended ({describe_exit(died[r])}; stopped by torchrun after rank {first})"
                 )
-        if not lines:
+        if not lines and not interrupted:
             lines.append(f"the rank set ended unexpectedly ({describe_exit(rank_set.proc.returncode or 0)})")
         for r in range(rank_set.world_size):
             log = rank_set.rank_log(r)
@@ -265,6 +352,20 @@ class Controller:
         lines.append(f"---------- torchrun output (tail; whole: {rank_set.output_path}) ----------")
         lines.append(tail.rstrip())
         return "\n".join(lines)
+
+    def _collectives(self, rank_set: RankSet) -> list[str]:
+        """Who is stuck where, from the ranks' flight-recorder dumps (written as they timed out)."""
+        traces = {}
+        for rank in range(rank_set.world_size):
+            trace = flight_recorder.load(rank_set.log_dir / f"rank{rank}.fr")
+            if trace is not None:
+                traces[rank] = trace
+        aligned = flight_recorder.align(traces, time.time_ns())
+        if not aligned:
+            return []
+        return ["collectives (c10d flight recorder; raw records: rank<R>.fr beside the logs):"] + [
+            f"  {line}" for line in aligned
+        ]
 
     def _failure(
         self,
@@ -394,3 +495,29 @@ def plan_platforms(controller: Controller, requested: str, items: list[pytest.It
             f"({choice.reason})"
         )
     return lines
+
+
+def install_signal_handlers(controller: Controller) -> Callable[[], None]:
+    """SIGTERM (what a CI cancel sends) ends a plain session the way Ctrl-C does: pytest's
+    KeyboardInterrupt handling reports the running test, writes JUnit XML and the JSON report, and
+    unconfigure kills every rank set. A second SIGTERM or SIGINT kills the rank sets and exits at once.
+    Returns the function that puts the previous handlers back (at unconfigure).
+    """
+    import signal
+
+    received: list[int] = []
+
+    def handle(signum: int, frame: Any) -> None:
+        received.append(signum)
+        if len(received) > 1:
+            controller.close_all()
+            os._exit(128 + signum)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore

@@ -8,6 +8,7 @@ rank stuck in a collective ignores gentler signals).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .protocol import BATCH_FILE_FLAG, REPORT_FILE_FLAG, decode_event, write_batch
+from .rank_entry import exit_status_path
 
 #: torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : 3 (pid: 123)"
 _FAILURE_ENTRY = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -39,20 +41,16 @@ _TORCHRUN_VARS = (
 
 
 class RankSet:
-    """``torchrun --standalone --nproc_per_node=N -m pytest <batch>`` and what it reports."""
+    """``torchrun --standalone --nproc_per_node=N`` ranks that run pytest on a batch, and what they report.
 
-    def __init__(
-        self,
-        world_size: int,
-        tests: list[tuple[str, float]],
-        files: list[str],
-        pytest_args: list[str],
-        log_dir: Path,
-        cwd: Path,
-    ) -> None:
+    Launched before its batch is known (:mod:`.rank_entry`: the ranks import torch meanwhile), then
+    given the batch with :meth:`assign`; until then nothing runs in it but that import.
+    """
+
+    def __init__(self, world_size: int, log_dir: Path, cwd: Path) -> None:
         self.world_size = world_size
-        #: (node id, timeout seconds) of each test, in order
-        self.tests = list(tests)
+        #: (node id, timeout seconds) of each test, in order (set by assign())
+        self.tests: list[tuple[str, float]] = []
         self.log_dir = log_dir
         self.work_dir = Path(tempfile.mkdtemp(prefix="mfsdp-batch-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -60,8 +58,8 @@ class RankSet:
             stale.unlink()
         self.events_path = self.work_dir / "events.jsonl"
         self.events_path.touch()
-        batch_path = self.work_dir / "batch.txt"
-        write_batch(batch_path, self.tests)
+        self._batch_path = self.work_dir / "batch.txt"
+        self._argv_path = self.work_dir / "argv.json"
         self.output_path = log_dir / "torchrun.log"
         command = [
             sys.executable,
@@ -71,12 +69,10 @@ class RankSet:
             f"--nproc_per_node={world_size}",
             "--max-restarts=0",
             "-m",
-            "pytest",
-            *files,
-            f"{REPORT_FILE_FLAG}={self.events_path}",
-            f"{BATCH_FILE_FLAG}={batch_path}",
-            f"--mfsdp-log-dir={log_dir}",
-            *pytest_args,
+            "pytest_megatron_fsdp.harness.rank_entry",
+            str(self._argv_path),
+            str(log_dir),
+            str(os.getpid()),
         ]
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
         env["PYTHONUNBUFFERED"] = "1"
@@ -99,6 +95,28 @@ class RankSet:
         self._events: deque[dict[str, Any]] = deque()
         self._events_offset = 0
         self._output_offset = 0
+
+    @property
+    def assigned(self) -> bool:
+        return self._argv_path.exists()
+
+    def assign(self, tests: list[tuple[str, float]], files: list[str], pytest_args: list[str]) -> None:
+        """The batch: ``tests`` in order, collected from ``files``, with ``pytest_args`` (once)."""
+        if self.assigned:
+            raise RuntimeError("this rank set already has its batch")
+        self.tests = list(tests)
+        write_batch(self._batch_path, self.tests)
+        argv = [
+            *files,
+            f"{REPORT_FILE_FLAG}={self.events_path}",
+            f"{BATCH_FILE_FLAG}={self._batch_path}",
+            f"--mfsdp-log-dir={self.log_dir}",
+            *pytest_args,
+        ]
+        # Complete or absent: the ranks poll for this file and read it once it exists.
+        partial = self._argv_path.with_suffix(".partial")
+        partial.write_text(json.dumps(argv))
+        os.replace(partial, self._argv_path)
 
     # -- watching -----------------------------------------------------------------------------------
 
@@ -128,7 +146,7 @@ class RankSet:
     def rank_pids(self) -> dict[int, int]:
         """Live ranks of this set (a pid is only trusted while its command line names this batch)."""
         pids = {}
-        marker = str(self.events_path).encode()
+        marker = str(self._argv_path).encode()
         for path in self.log_dir.glob("rank*.pid"):
             try:
                 pid = int(path.read_text())
@@ -167,10 +185,32 @@ class RankSet:
             pass
 
     def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
+        """The set's exit status once its ranks are done (None: still running after ``timeout``).
+
+        Every rank leaves pytest's exit status before it exits (``rank_entry``); once all did and
+        no rank process is left, torchrun has nothing to do but shut itself down (~1 s on a busy
+        2-core machine), which :meth:`close` cuts short. A rank that died without a status is
+        waited for through torchrun, whose summary names it.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.exited():
+                return self.proc.returncode
+            codes = self._rank_exit_statuses()
+            if len(codes) == self.world_size and not self.rank_pids():
+                return next((c for c in codes.values() if c != 0), 0)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+
+    def _rank_exit_statuses(self) -> dict[int, int]:
+        codes = {}
+        for rank in range(self.world_size):
+            try:
+                codes[rank] = int(exit_status_path(self._argv_path, rank).read_text())
+            except (OSError, ValueError):
+                pass
+        return codes
 
     def close(self) -> None:
         """Kill whatever still runs and remove the batch's working directory."""

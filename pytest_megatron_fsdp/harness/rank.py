@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import json
+import logging
 import os
 import shutil
 import signal
@@ -30,6 +31,7 @@ from typing import IO, Any
 import pytest
 from _pytest.runner import runtestprotocol
 
+from . import flight_recorder
 from .agreement import merge_reports, summarise
 from .protocol import (
     BATCH_FILE_DEST,
@@ -43,6 +45,10 @@ from .protocol import (
 )
 from .session import RANK_SESSION, RankSession, TorchrunEnv
 
+#: How long a rank whose test timed out waits for the peers' flight records and stacks before it
+#: exits (a peer whose thread cannot get the GIL is dumped by faulthandler's C watchdog instead).
+PEER_DUMP_GRACE_S = 5.0
+
 
 class RankPlugin:
     """Registered in every torchrun rank, as ``mfsdp-rank``."""
@@ -54,6 +60,7 @@ class RankPlugin:
         log_dir: Callable[[], Path],
         agreement_timeout_s: float,
         default_timeout_s: float,
+        distributed_logs: bool = False,
     ) -> None:
         self.config = config
         self.torchrun = torchrun
@@ -70,6 +77,8 @@ class RankPlugin:
         self.events: IO[str] | None = None
         self._test_index = 0
         self._released = False
+        #: --mfsdp-distributed-logs: keep torch.distributed's DEBUG/INFO records in captured logs
+        self._distributed_logs = distributed_logs
 
     def pytest_configure(self, config: pytest.Config) -> None:
         # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
@@ -92,6 +101,17 @@ class RankPlugin:
         )
         if self.rank != 0 or self.launched:
             self._quiet_terminal(config)
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self._distributed_logs:
+            return
+        # pytest's handlers for captured logs (and live/file logging): records reach them from any
+        # logger, so filtering here quiets the reports without touching anyone's logging setup.
+        logging_plugin = self.config.pluginmanager.get_plugin("logging-plugin")
+        for name in ("caplog_handler", "report_handler", "log_cli_handler", "log_file_handler"):
+            handler = getattr(logging_plugin, name, None)
+            if isinstance(handler, logging.Handler):
+                handler.addFilter(_WarningsAndAbove())
 
     # -- output -------------------------------------------------------------------------------------
 
@@ -189,6 +209,7 @@ class RankPlugin:
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
             reports = runtestprotocol(item, nextitem=nextitem, log=False)
+            self._check_after_test(item, reports, rank_session)
             merged = self._exchange_outcomes(item, index, reports, rank_session, deadline)
         for report in merged:
             item.ihook.pytest_runtest_logreport(report=report)
@@ -200,10 +221,57 @@ class RankPlugin:
         self._event("finish", nodeid=item.nodeid)
         return True
 
+    def _check_after_test(
+        self, item: pytest.Item, reports: list[pytest.TestReport], rank_session: RankSession
+    ) -> None:
+        """The checks fixtures registered for after the test (``RankSession.after_test``); a problem
+        fails the test's teardown report (or joins it as a section when teardown already failed)."""
+        _release_failed_test_frames()
+
+        def check() -> None:
+            problems = rank_session.run_after_test_checks()
+            if problems:
+                pytest.fail("\n".join(problems), pytrace=False)
+
+        call = pytest.CallInfo.from_call(check, when="teardown")
+        if call.excinfo is None:
+            return
+        # Not through the makereport hook: that would release the peers and renew the process
+        # group, which a problem found after the test (no collective in flight) does not need.
+        found = pytest.TestReport.from_item_and_call(item, call)
+        teardown = next((r for r in reports if r.when == "teardown"), None)
+        if teardown is None:
+            reports.append(found)
+        elif teardown.failed:
+            teardown.sections.append(("megatron-fsdp: after the test", found.longreprtext))
+        else:
+            teardown.outcome = "failed"
+            teardown.longrepr = found.longrepr
+        self._log(f"after {item.nodeid}: {found.longreprtext}")
+
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
         report = yield
         rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
+        if (
+            rank_session is not None
+            and report.when == "teardown"
+            and report.failed
+            and call.excinfo is not None
+            and rank_session.collectives_released()
+            and _raised_in_torch_distributed(call.excinfo)
+        ):
+            # One failure, one report: a fixture teardown's collective after a failure released the
+            # process group (here or on a peer) cannot succeed, and its error only echoes that
+            # failure, which is reported already. The teardown counts as done; its error stays in
+            # this rank's log and in a report section.
+            echo = call.excinfo.exconly()
+            self._log(f"{item.nodeid}: teardown collective after the release skipped: {echo}")
+            report.outcome = "passed"
+            report.longrepr = None
+            report.sections.append(
+                ("teardown collective skipped", f"the process group was released after the failure: {echo}")
+            )
         if rank_session is not None and (report.failed or (report.skipped and report.when == "call")):
             # Peers may be waiting in a collective this rank will never enter: let them fail now
             # rather than wait out the process-group timeout. The group is rebuilt after the test.
@@ -222,6 +290,9 @@ class RankPlugin:
         def expire() -> None:
             if done.wait(timeout):
                 return
+            # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
+            # exits): torch's record of this rank's collectives, beside its log, for the parent to align.
+            flight_recorder.dump(self.log_path.with_suffix(".fr"))
             banner = (
                 f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {self.rank}; "
                 "stacks of every thread follow, then the rank is ended (a rank stuck in a collective "
@@ -235,6 +306,7 @@ class RankPlugin:
                     stream.flush()
                 except (OSError, ValueError):
                     pass
+            self._await_peer_dumps(nodeid)
             rank_session = self.config.stash.get(RANK_SESSION, None)
             if rank_session is not None and self.rank == 0:
                 # nothing else will remove it: this process ends here, without teardown
@@ -250,6 +322,22 @@ class RankPlugin:
         finally:
             done.set()
             faulthandler.cancel_dump_traceback_later()
+
+    def _await_peer_dumps(self, nodeid: str) -> None:
+        """Stay until every rank has dumped for ``nodeid`` (bounded): torchrun stops the others as
+        soon as one rank exits, and the timers start a little apart on each rank, so the first to
+        expire would otherwise take the peers' flight records and stacks with it."""
+        log_dir = self.log_path.parent
+        self.log_path.with_suffix(".expired").write_text(nodeid)
+        markers = [log_dir / f"rank{r}.expired" for r in range(self.torchrun.world_size)]
+        deadline = time.monotonic() + PEER_DUMP_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                if all(m.read_text() == nodeid for m in markers):
+                    return
+            except OSError:
+                pass  # a peer has not got there yet
+            time.sleep(0.05)
 
     def _exchange_outcomes(
         self,
@@ -285,6 +373,38 @@ class RankPlugin:
             self._log(f"process group rebuilt after {item.nodeid} (generation {rank_session.generation})")
         log_dir = self.log_path.parent
         return merge_reports(item, reports, per_rank, self.rank, log_dir)
+
+
+def _raised_in_torch_distributed(excinfo: pytest.ExceptionInfo[BaseException]) -> bool:
+    """Whether the exception came out of torch.distributed (a collective, or the missing group)."""
+    import torch.distributed
+
+    root = os.path.dirname(torch.distributed.__file__) + os.sep
+    return any(str(entry.path).startswith(root) for entry in excinfo.traceback)
+
+
+class _WarningsAndAbove(logging.Filter):
+    """Drops torch.distributed's own DEBUG/INFO records (DCP's event log, c10d's): about 20 per
+    checkpoint save or load, none of which says anything about a failure."""
+
+    PREFIXES = ("c10d-", "torch.distributed")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not record.name.startswith(self.PREFIXES)
+
+
+def _release_failed_test_frames() -> None:
+    """Drop pytest's reference to a test that failed in its call, as pytest does before the next.
+
+    pytest keeps the failure in ``sys.last_value`` / ``sys.last_traceback`` for post-mortem
+    debugging, which is over once the report is made (``--pdb`` runs during the call). Its frames
+    hold the test's locals, its model among them, until the next failure replaces them. Clearing
+    the frames is not enough: ``frame.clear()`` keeps the ``f_locals`` snapshot that pytest's
+    failure report took (Python 3.11 and 3.12).
+    """
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            delattr(sys, name)
 
 
 def _first_difference(reference: list[str], theirs: list[str], rank: int) -> str:

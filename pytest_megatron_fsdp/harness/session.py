@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ..environment import DistEnv
+from . import flight_recorder
 from .platform import PlatformChoice
 
 #: this rank's session (None until a collected test needs one, and after it closed)
@@ -86,6 +87,7 @@ class RankSession:
         #: the rendezvous store, for the harness's own bounded-wait agreements (not collectives)
         self.store = harness_store
         self._on_release: list[Callable[[], None]] = []
+        self._after_test: list[Callable[[], str | None]] = []
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once per registration) each time the process group is about to go.
@@ -95,6 +97,18 @@ class RankSession:
         """
         if callback not in self._on_release:
             self._on_release.append(callback)
+
+    def after_test(self, check: Callable[[], str | None]) -> None:
+        """Run ``check`` once the current test is over: after its teardown, when pytest has dropped
+        its fixture values too (a fixture's own teardown runs while the test's other fixture values
+        are still held). A message it returns is reported as an error of the test, on every rank.
+        """
+        self._after_test.append(check)
+
+    def run_after_test_checks(self) -> list[str]:
+        """The problems the current test's checks found (each check runs once)."""
+        checks, self._after_test = self._after_test, []
+        return [problem for check in checks if (problem := check())]
 
     def _release_dependents(self) -> None:
         for callback in reversed(self._on_release):
@@ -126,7 +140,26 @@ class RankSession:
 
         self._release_dependents()
         if dist.is_initialized():
+            # Tell the peers before the group goes (the store outlives it): a collective they are
+            # in, or enter, now fails, and collectives_released() lets their teardowns know why.
+            try:
+                self.store.set(f"released/{self.generation}", str(self.env.rank))
+            except Exception:  # noqa: BLE001 - a store that is gone: the peers are gone too
+                pass
             dist.destroy_process_group()
+
+    def collectives_released(self) -> bool:
+        """Whether a failure released this process group (on this rank, or on another one, as told
+        through the store): a collective now fails at once or never completes, until the group is
+        renewed after the test. Fixture teardowns that need a collective check this first."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return True
+        try:
+            return bool(self.store.check([f"released/{self.generation}"]))
+        except Exception:  # noqa: BLE001 - no store: nothing to learn from it
+            return False
 
     def renew(self) -> None:
         """A fresh process group on every rank after a failed test.
@@ -148,6 +181,9 @@ class RankSession:
         shared_root: str | None = None,
     ) -> RankSession:
         """Bring up the process group on ``choice``'s platform (CPU emulation already enabled)."""
+        # Before the first process group: torch's flight recorder then records every collective
+        # (a hang report names who is missing from which one).
+        flight_recorder.enable(os.environ)
         import torch
         import torch.distributed as dist
 

@@ -192,3 +192,39 @@ def test_fully_shard_hsdp_on_four_ranks_matches_torch_ddp(fully_shard_run, dist_
     # additions is not, so a few ulps.
     for i, (a, e) in enumerate(zip(result.losses, expected, strict=True), start=1):
         assert math.isclose(a, e, rel_tol=1e-6), f"iteration {i}: HSDP {a} vs torch DDP {e}"
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_fully_shard_checkpoint_round_trip_resumes_exactly(
+    fully_shard_run, dist_env, checkpoint_dir, strategy
+):
+    """fsdp_dtensor through DCP, with the same guarantees as a megatron-core run (atomic, digests,
+    checked before loading): a fresh run from another seed loads it and trains on to exactly the
+    losses the saved run goes on to (momentum state included; the batches follow the iteration)."""
+    from pytest_megatron_fsdp.checkpoint import load_checkpoint, save_checkpoint
+
+    def build(seed):
+        model = _model(seed)
+        return fully_shard_run(
+            model,
+            _sgd(model),
+            _batches(dist_env.rank),
+            _loss,
+            zero_dp_strategy=strategy,
+            fsdp_unit_modules=[Block],
+        )
+
+    run = build(0)
+    run.train(3)
+    saved = save_checkpoint(run, checkpoint_dir)
+    assert saved.iteration == 3 and (saved.path / ".metadata").is_file()
+    expected = run.train(3).losses
+    fresh = build(1)
+    assert fresh.train(1).losses != expected[:1]  # another model: the comparison below means something
+    assert load_checkpoint(fresh, checkpoint_dir) == 3
+    resumed = fresh.train(3).losses
+    if dist_env.platform == "cpu":
+        assert resumed == expected
+    else:
+        assert all(math.isclose(a, e, rel_tol=GPU_RTOL) for a, e in zip(resumed, expected, strict=True))

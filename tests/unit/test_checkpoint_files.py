@@ -1,26 +1,71 @@
-"""The checkpoint file checks and atomic writes, in one process (torch only, no process group)."""
+"""The checkpoint file checks, digests and atomic writes, in one process (torch only, no process group).
+
+The checkpoints here are real: DCP writes them through the harness's digesting writer, and rank 0's
+sealing and publishing steps run as in a save.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import stat
+import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pytest_megatron_fsdp.checkpoint import CheckpointError, checkpoint_problems, read_tracker
+from pytest_megatron_fsdp.checkpoint import (
+    CheckpointError,
+    CheckpointWarning,
+    checkpoint_problems,
+    read_tracker,
+)
 from pytest_megatron_fsdp.fsdp import checkpoint as ckpt
+from pytest_megatron_fsdp.fsdp import integrity
+from pytest_megatron_fsdp.fsdp.layout import DIGESTS_FILE, is_partial_save_dir, partial_save_dir_name
+
+TRAIN_STATE = {"iteration": 5, "ckpt_format": "fsdp_dtensor"}
+
+
+def _save(root, iteration=5, *, seal=True):
+    """A single-process DCP checkpoint at ``iteration``, saved and published as a save does."""
+    tmp_dir = root / partial_save_dir_name(iteration, "ab12")
+    tmp_dir.mkdir(mode=0o700)  # as rank 0 makes it
+    writer = ckpt._DigestingWriter(tmp_dir)
+    state = {"w": torch.arange(4096, dtype=torch.float32), "meta": {"note": "pickled object"}}
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    train_state = {**TRAIN_STATE, "iteration": iteration}
+    if seal:
+        ckpt._seal(tmp_dir, train_state, writer.digests)
+    else:  # as a save did before digests existed
+        torch.save(train_state, tmp_dir / ckpt.TRAIN_STATE_FILE)
+    ckpt._publish(root, tmp_dir, iteration, train_state)
+    return writer
 
 
 @pytest.fixture
 def saved(tmp_path):
-    """A real single-process DCP checkpoint at iteration 5, in Bridge's layout."""
-    iter_dir = tmp_path / "iter_0000005"
-    dcp.save({"w": torch.arange(4096, dtype=torch.float32)}, checkpoint_id=iter_dir, no_dist=True)
-    torch.save({"iteration": 5, "ckpt_format": "fsdp_dtensor"}, iter_dir / ckpt.TRAIN_STATE_FILE)
-    (tmp_path / ckpt.TRACKER_FILE).write_text("5\n")
+    """A checkpoint at iteration 5, in Bridge's layout, with digests."""
+    _save(tmp_path)
     return tmp_path
+
+
+@pytest.fixture
+def legacy(tmp_path):
+    """The same, as saved before digests existed (no digests.json)."""
+    _save(tmp_path, seal=False)
+    return tmp_path
+
+
+def _flip(path, offset=None, count=64):
+    """Invert ``count`` bytes in the middle of ``path``: same size, other content."""
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2 if offset is None else offset
+    for i in range(start, min(start + count, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_iteration_dir_name_is_megatrons():
@@ -29,7 +74,104 @@ def test_iteration_dir_name_is_megatrons():
 
 
 def test_a_complete_checkpoint_has_no_problems(saved):
-    assert checkpoint_problems(saved, world_size=1) == (5, [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # verified: no "not verified" warning
+        assert checkpoint_problems(saved) == (5, [])
+
+
+def test_every_file_of_the_iteration_has_a_digest(saved):
+    iter_dir = saved / "iter_0000005"
+    manifest = json.loads((iter_dir / DIGESTS_FILE).read_text())
+    assert manifest["algorithm"] == "sha256"
+    names = sorted(p.name for p in iter_dir.iterdir() if p.name != DIGESTS_FILE)
+    assert names == [".metadata", "__0_0.distcp", "train_state.pt"]
+    assert sorted(manifest["files"]) == names
+    for name in names:
+        on_disk = integrity.file_digest(iter_dir / name)
+        assert manifest["files"][name] == {"bytes": on_disk.bytes, "digest": on_disk.digest}
+
+
+def test_digests_taken_while_dcp_writes_match_the_files(tmp_path):
+    writer = _save(tmp_path)
+    shard = tmp_path / "iter_0000005" / "__0_0.distcp"
+    assert writer.digests["__0_0.distcp"] == integrity.file_digest(shard)
+
+
+def test_hashing_stream_gives_up_on_out_of_order_writes(tmp_path):
+    with open(tmp_path / "f", "wb") as f:
+        stream = integrity.HashingStream(f)
+        stream.write(b"abcd")
+        assert stream.result() == integrity.FileDigest(4, hashlib.sha256(b"abcd").hexdigest())
+        stream.seek(0)
+        stream.write(b"x")
+        assert stream.result() is None  # the file is then hashed from disk
+
+
+def test_a_flipped_byte_in_a_shard_is_named(saved):
+    shard = saved / "iter_0000005" / "__0_0.distcp"
+    size = shard.stat().st_size
+    _flip(shard)
+    assert shard.stat().st_size == size
+    _, problems = checkpoint_problems(saved)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{shard} does not match its sha256 digest in ")
+    assert "its content changed after the save" in problems[0]
+
+
+def test_a_damaged_metadata_file_is_refused_before_it_is_unpickled(saved, monkeypatch):
+    metadata = saved / "iter_0000005" / ".metadata"
+    _flip(metadata, offset=metadata.stat().st_size - 80, count=8)
+
+    def unpickle(*args, **kwargs):
+        raise AssertionError("the damaged .metadata was unpickled")
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", unpickle)
+    _, problems = checkpoint_problems(saved)
+    assert len(problems) == 1 and problems[0].startswith(f"{metadata} does not match its sha256 digest")
+
+
+def test_a_damaged_train_state_is_named(saved):
+    train_state = saved / "iter_0000005" / ckpt.TRAIN_STATE_FILE
+    with open(train_state, "ab") as f:
+        f.write(b"x")
+    _, problems = checkpoint_problems(saved)
+    assert problems == [
+        f"{train_state} has {train_state.stat().st_size} bytes, "
+        f"{saved / 'iter_0000005' / DIGESTS_FILE} recorded {train_state.stat().st_size - 1}"
+    ]
+
+
+def test_a_file_without_a_digest_is_named(saved):
+    manifest_path = saved / "iter_0000005" / DIGESTS_FILE
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["files"]["__0_0.distcp"]
+    manifest_path.write_text(json.dumps(manifest))
+    _, problems = checkpoint_problems(saved)
+    assert problems == [
+        f"{saved / 'iter_0000005' / '__0_0.distcp'} has no digest in {manifest_path}: "
+        "its content cannot be verified"
+    ]
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("{not json", "is not a valid digest manifest (JSONDecodeError"),
+        ('{"files": {}}', "is not a valid digest manifest (KeyError"),
+        ('{"algorithm": "md5", "files": {}}', "uses digest algorithm 'md5'; this version verifies 'sha256'"),
+    ],
+)
+def test_an_unusable_digest_manifest_is_named(saved, content, expected):
+    manifest_path = saved / "iter_0000005" / DIGESTS_FILE
+    manifest_path.write_text(content)
+    _, problems = checkpoint_problems(saved)
+    assert len(problems) == 1 and problems[0].startswith(f"{manifest_path} ") and expected in problems[0]
+
+
+def test_a_checkpoint_without_digests_loads_with_a_warning(legacy):
+    assert not (legacy / "iter_0000005" / DIGESTS_FILE).exists()
+    with pytest.warns(CheckpointWarning, match=r"iter_0000005 has no digests\.json .*not verified"):
+        assert checkpoint_problems(legacy) == (5, [])
 
 
 def test_missing_directory(tmp_path):
@@ -66,28 +208,43 @@ def test_missing_metadata(saved):
     assert len(problems) == 1 and ".metadata is missing" in problems[0]
 
 
-def test_truncated_shard_names_file_and_sizes(saved):
-    shard = saved / "iter_0000005" / "__0_0.distcp"
+def test_truncated_shard_names_file_and_sizes(legacy):
+    shard = legacy / "iter_0000005" / "__0_0.distcp"
     full = shard.stat().st_size
     os.truncate(shard, full - 1)
-    _, problems = checkpoint_problems(saved)
-    metadata = saved / "iter_0000005" / ".metadata"
+    _, problems = checkpoint_problems(legacy)
+    metadata = legacy / "iter_0000005" / ".metadata"
     assert problems == [f"{shard} is truncated: {full - 1} bytes, {metadata} needs at least {full}"]
 
 
-def test_shard_missing_for_a_rank(saved):
-    _, problems = checkpoint_problems(saved, world_size=2)
-    assert problems == [
-        f"{saved / 'iter_0000005' / '__1_0.distcp'} is not in {saved / 'iter_0000005' / '.metadata'}: "
-        "saved by another world size?"
-    ]
+def test_missing_shard_named_in_the_metadata(legacy):
+    shard = legacy / "iter_0000005" / "__0_0.distcp"
+    shard.unlink()
+    _, problems = checkpoint_problems(legacy)
+    assert problems == [f"{shard} is missing (named in {legacy / 'iter_0000005' / '.metadata'})"]
 
 
-def test_train_state_of_another_iteration(saved):
+def test_shard_files_are_found_through_the_metadata_not_by_rank(saved):
+    """Loading at another world size reads the byte ranges .metadata names, whoever wrote them:
+    a shard file under another name is fine as long as the metadata names it."""
+    iter_dir = saved / "iter_0000005"
+    metadata = dcp.FileSystemReader(iter_dir).read_metadata()
+    for info in metadata.storage_data.values():
+        info.relative_path = "__3_0.distcp"  # as if rank 3 of a 4-rank job had written it
+    (iter_dir / "__0_0.distcp").rename(iter_dir / "__3_0.distcp")
+    import pickle
+
+    (iter_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    (iter_dir / DIGESTS_FILE).unlink()
+    with pytest.warns(CheckpointWarning):
+        assert checkpoint_problems(saved) == (5, [])
+
+
+def test_train_state_of_another_iteration(legacy):
     torch.save(
-        {"iteration": 4, "ckpt_format": "fsdp_dtensor"}, saved / "iter_0000005" / ckpt.TRAIN_STATE_FILE
+        {"iteration": 4, "ckpt_format": "fsdp_dtensor"}, legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE
     )
-    _, problems = checkpoint_problems(saved)
+    _, problems = checkpoint_problems(legacy)
     assert len(problems) == 1 and "says iteration 4" in problems[0]
 
 
@@ -95,9 +252,9 @@ class Payload:
     """Anything a weights_only load refuses to unpickle."""
 
 
-def test_train_state_is_read_weights_only(saved):
-    torch.save({"iteration": 5, "x": Payload()}, saved / "iter_0000005" / ckpt.TRAIN_STATE_FILE)
-    _, problems = checkpoint_problems(saved)
+def test_train_state_is_read_weights_only(legacy):
+    torch.save({"iteration": 5, "x": Payload()}, legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE)
+    _, problems = checkpoint_problems(legacy)
     assert len(problems) == 1 and "cannot be read" in problems[0] and "weights_only" in problems[0].lower()
 
 
@@ -123,17 +280,47 @@ def test_atomic_write_replaces(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.TRACKER_FILE]
 
 
-def test_publish_is_private_and_tracker_last(tmp_path, monkeypatch):
-    """The iteration directory appears before the pointers, and the tracker is written last."""
-    tmp_dir = tmp_path / "iter_0000003.tmp-x"
-    tmp_dir.mkdir(mode=0o700)
+def test_seal_then_publish_is_private_and_tracker_last(tmp_path, monkeypatch):
+    """The iteration is sealed (train state, then digests) before it appears; the pointers follow,
+    the tracker last."""
     order = []
     original = ckpt._write_atomically
     monkeypatch.setattr(
         ckpt, "_write_atomically", lambda path, write: (order.append(path.name), original(path, write))
     )
-    ckpt._publish(tmp_path, tmp_dir, 3, {"iteration": 3, "ckpt_format": "fsdp_dtensor"})
-    assert order == [ckpt.TRAIN_STATE_FILE, ckpt.LATEST_TRAIN_STATE_FILE, ckpt.TRACKER_FILE]
-    assert not tmp_dir.exists() and (tmp_path / "iter_0000003" / ckpt.TRAIN_STATE_FILE).is_file()
+    _save(tmp_path, 3)
+    assert order == [ckpt.TRAIN_STATE_FILE, DIGESTS_FILE, ckpt.LATEST_TRAIN_STATE_FILE, ckpt.TRACKER_FILE]
+    assert (tmp_path / "iter_0000003" / ckpt.TRAIN_STATE_FILE).is_file()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert stat.S_IMODE((tmp_path / "iter_0000003").stat().st_mode) == 0o700
     assert read_tracker(tmp_path) == 3
+
+
+def test_publishing_removes_what_killed_saves_left(tmp_path):
+    killed = tmp_path / partial_save_dir_name(7, "dead")
+    killed.mkdir()
+    (killed / "__1_0.distcp").write_bytes(b"\0" * 10)
+    unrelated = tmp_path / "iter_0000007.notes"
+    unrelated.mkdir()
+    _save(tmp_path, 5)
+    assert not killed.exists() and unrelated.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000005",
+        "iter_0000007.notes",
+        ckpt.TRACKER_FILE,
+        ckpt.LATEST_TRAIN_STATE_FILE,
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, partial",
+    [
+        ("iter_0000005.tmp-0123abcd", True),
+        ("iter_0000005", False),
+        ("iter_0000005.old-0123abcd", False),
+        ("iter_0000005.tmp-", False),
+        ("notes.tmp-0123abcd", False),
+    ],
+)
+def test_partial_save_dir_names(name, partial):
+    assert is_partial_save_dir(name) is partial

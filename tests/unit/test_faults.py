@@ -6,6 +6,7 @@ healthy test after them; then the process table and the temp dir are checked for
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -259,3 +260,114 @@ def test_fine(dist_env):
     log = pytester.path / ".pytest_cache/d/mfsdp-logs/torchrun/rank1.log"
     assert "rank 1 says no" in log.read_text()  # logged by rank 1 the moment it failed
     assert str(log) in text  # and the report points at it
+
+
+def test_a_hang_report_names_who_is_missing_from_which_collective(pytester, isolated_tmp):
+    """The c10d flight recorder, aligned across ranks: the timeout report says which rank never
+    entered the collective another waits in, and which collectives differ across ranks."""
+    pytester.makepyfile(
+        test_stuck="""
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, timeout=6)
+def test_rank1_skips_the_broadcast(dist_env):
+    dist.all_reduce(torch.ones(2))
+    if dist_env.rank == 1:
+        time.sleep(3600)
+    dist.broadcast(torch.ones(3), src=0)
+
+@pytest.mark.distributed(world_size=2, timeout=6)
+def test_ranks_disagree_on_the_collective(dist_env):
+    if dist_env.rank == 0:
+        dist.broadcast(torch.ones(3), src=0)
+    else:
+        dist.all_reduce(torch.ones(5))
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=180)
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    skipped = out[
+        out.index("test_rank1_skips_the_broadcast _") : out.index("test_ranks_disagree_on_the_collective _")
+    ]
+    assert "collectives (c10d flight recorder" in skipped
+    assert "rank 0: last completed #1 (all_reduce, default_pg, sizes [[2]]); in #2 (broadcast" in skipped
+    assert (
+        "rank 1 never entered collective #2 (broadcast, default_pg) that rank 0 has waited in for" in skipped
+    )
+    disagree = out[out.index("test_ranks_disagree_on_the_collective _") :]
+    for failure in (skipped, disagree):
+        # the first rank to expire waits for the other's flight record and stacks
+        assert "timeout on rank 0" in failure and "timeout on rank 1" in failure, failure
+    assert (
+        "collective #1 in default_pg differs across ranks: rank 0 broadcast [[3]], rank 1 all_reduce [[5]]"
+        in disagree
+    )
+    assert _processes_mentioning(str(pytester.path)) == []
+
+
+def test_sigterm_mid_test_kills_the_ranks_and_writes_junit(pytester, isolated_tmp):
+    """A CI cancel: SIGTERM to the plain pytest session while a distributed test runs. The ranks
+    and torchrun are killed, the running test fails as interrupted, the finished one keeps its
+    result, and the JUnit XML is written; pytest exits non-zero."""
+    import signal
+    import xml.etree.ElementTree as ET
+
+    pytester.makepyfile(
+        test_cancel="""
+import time
+import pytest
+
+@pytest.mark.distributed(world_size=2)
+def test_done(dist_env):
+    pass
+
+@pytest.mark.distributed(world_size=2)
+def test_long(dist_env):
+    print("long test running", flush=True)
+    time.sleep(600)
+"""
+    )
+    logs = pytester.path / "logs"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "--mfsdp-platform=cpu",
+            f"--mfsdp-log-dir={logs}",
+            "--junitxml=junit.xml",
+        ],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    rank_log = logs / "batch1-world2" / "rank0.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if rank_log.exists() and "START test_cancel.py::test_long" in rank_log.read_text():
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise AssertionError(f"test_long never started: {proc.communicate()[0]}")
+    time.sleep(1.0)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert time.monotonic() - started < 30, out
+    assert proc.returncode != 0, out
+    assert _processes_mentioning(str(pytester.path)) == [], out
+    suite = ET.parse(pytester.path / "junit.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert set(cases) == {"test_done", "test_long"}, out
+    assert len(cases["test_done"]) == 0  # passed: no failure/skip child
+    failure = cases["test_long"].find("failure")
+    assert failure is not None and "interrupted" in (failure.get("message", "") + (failure.text or "")), out

@@ -5,6 +5,8 @@ import os
 import socket
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 
 def test_under_xdist_each_worker_launches_its_own_rank_sets(pytester):
@@ -233,3 +235,59 @@ def test_dist(dist_env):
     )
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["*TORN DOWN mod*"])
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_functional_suite_under_xdist_runs_like_without_it(tmp_path):
+    """``pytest -n 2`` on the real checkpoint and strategy files: every test passes or is a strict
+    xfail, as without ``-n`` (nothing fails, nothing errors, nothing is lost); each worker's rank
+    sets log apart; nothing is left running."""
+    files = ["tests/functional/test_checkpoint.py", "tests/functional/test_strategies.py"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_")}
+    env["TMPDIR"] = str(tmp_path)
+    logs = tmp_path / "logs"
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", *files, "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    count = sum(1 for line in collected.stdout.splitlines() if "::" in line)
+    assert count > 20, collected.stdout
+    junit = tmp_path / "junit.xml"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *files,
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--junitxml={junit}",
+            f"--mfsdp-log-dir={logs}",
+            "--mfsdp-platform=cpu",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    out = run.stdout + run.stderr
+    assert "INTERNALERROR" not in out, out[-5000:]
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    assert int(suite.get("tests")) == count, out[-3000:]
+    assert (int(suite.get("failures")), int(suite.get("errors"))) == (0, 0), out[-5000:]
+    assert run.returncode == 0, out[-3000:]
+    workers = {p.name.split("-", 1)[0] for p in logs.iterdir()}
+    assert workers <= {"gw0", "gw1"} and workers, sorted(p.name for p in logs.iterdir())
+    left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    assert left == ""  # no rank, torchrun agent or worker outlives the session

@@ -1,0 +1,227 @@
+"""A run's model and optimizer end with their test: release what keeps them alive, then check.
+
+Megatron-FSDP (megatron-core 0.16 to 0.19, and the standalone megatron-fsdp 0.6) registers, for
+every parameter, ``param.register_post_accumulate_grad_hook(lambda p: ...)`` whose closure holds
+the wrapper, which holds the parameter. torch keeps a tensor's ``_post_accumulate_grad_hooks``
+dict where the garbage collector cannot follow it, so that cycle is never collected: every wrapper
+would outlive its test with its parameters, gradients and optimizer state (the same cycle through
+``register_hook`` is collected; ``tests/unit/test_model_release.py`` shows both with torch alone).
+:func:`release_grad_hooks` removes those hooks; :class:`RunWatch` checks, once the test is over,
+that nothing of it is still reachable and, on GPUs, that the CUDA memory it allocated is free.
+
+Imports torch at module level: loaded only inside a rank that builds a run.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: objects a leftover search visits at most (a leaked model is a few thousand; this bounds the cost)
+_WALK_LIMIT = 1_000_000
+#: most garbage collections a check runs while watched objects are still alive
+_COLLECT_PASSES = 3
+_frozen = False
+
+
+def release_grad_hooks(*modules: torch.nn.Module | None) -> int:
+    """Remove the post-accumulate-grad hooks that keep ``modules`` alive; returns how many.
+
+    Two places, as the hooks may sit on parameters the module no longer shows (Megatron-FSDP swaps
+    its parameters for DTensors around ``state_dict``): every handle a Megatron-FSDP wrapper keeps
+    in ``grad_acc_hooks``, and every post-accumulate hook still on a parameter of the modules.
+    Clearing the dict matters: setting ``_post_accumulate_grad_hooks = None`` leaves torch's own
+    reference to the old dict, closures and all, in place.
+    """
+    removed = 0
+    for module in modules:
+        if module is None:
+            continue
+        for submodule in module.modules():
+            handles = getattr(submodule, "grad_acc_hooks", None)
+            if isinstance(handles, dict):
+                for handle in handles.values():
+                    handle.remove()
+                removed += len(handles)
+                handles.clear()
+        for param in module.parameters():
+            hooks = param._post_accumulate_grad_hooks
+            if hooks:
+                removed += len(hooks)
+                hooks.clear()
+    return removed
+
+
+def freeze_existing_objects() -> None:
+    """Once per process: exclude what is alive now (imports, collected tests) from later collections.
+
+    After each test :meth:`RunWatch.leftovers` runs a full ``gc.collect()``; over the ~400,000
+    objects torch and megatron create at import that takes 0.2-0.6 s per test on a 2-core machine,
+    over the objects created since ~3 ms. Frozen objects are never collected, so call this before
+    the first run is built: what exists then lives as long as the process anyway.
+    """
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.freeze()
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What of a test is still alive after it ended."""
+
+    #: "FullyShardedDataParallel (run 1's model)", ... for every watched object still reachable
+    alive: list[str]
+    #: bytes of tensor storage reachable from them (each storage counted once)
+    tensor_bytes: int
+    #: CUDA bytes allocated now minus before the test (GPU ranks; None on CPU ranks)
+    cuda_bytes: int | None
+    #: module globals that hold them (a hint for the user; other holders are not searched)
+    holders: list[str]
+
+    def describe(self, what: str = "the test's runs") -> str:
+        lines = []
+        if self.alive:
+            lines.append(
+                f"{what} outlived the test: {', '.join(self.alive)} still reachable after the test, "
+                f"its fixtures' teardown and gc.collect(), holding {_size(self.tensor_bytes)} of tensors"
+            )
+            if self.holders:
+                lines.append("held by the module global(s): " + ", ".join(self.holders))
+            lines.append(
+                "something outside the test keeps them: a module global, a class attribute, a fixture of "
+                "wider scope, a hook registered elsewhere (see README, 'A wrapped model outlives its test')"
+            )
+        if self.cuda_bytes:
+            lines.append(
+                f"{_size(self.cuda_bytes)} of CUDA memory allocated during the test are still allocated "
+                "after it (torch.cuda.memory_allocated(), cuBLAS workspaces cleared)"
+            )
+        return "; ".join(lines[:1]) + "".join(f"\n{line}" for line in lines[1:])
+
+
+class RunWatch:
+    """Weak references to what one test built, and the CUDA memory allocated before it built them.
+
+    ``watch()`` each run's wrapper and optimizer when it is built; ``leftovers()`` after the test
+    (and everything pytest keeps of it) is gone collects garbage and says what is still alive.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._watched: list[tuple[str, weakref.ref]] = []
+        self._cuda_before = _cuda_allocated(device)
+
+    def watch(self, label: str, obj: Any) -> None:
+        """``label`` names ``obj`` in a report (e.g. ``"run 1's model"``); ``None`` is ignored."""
+        if obj is not None:
+            self._watched.append((f"{type(obj).__name__} ({label})", weakref.ref(obj)))
+
+    def leftovers(self) -> Leftovers | None:
+        """None when every watched object is gone and, on GPUs, the test's CUDA memory is free."""
+        if not self._watched and self._cuda_before is None:
+            return None
+        for _ in range(_COLLECT_PASSES):
+            # One pass may only run finalizers and weakref callbacks that release the rest (a
+            # run whose backward raised, measured with FSDP2): collect again while that helps.
+            if not gc.collect() or all(ref() is None for _, ref in self._watched):
+                break
+        live = [(label, ref) for label, ref in self._watched if ref() is not None]
+        cuda = None
+        if self._cuda_before is not None:
+            after = _cuda_allocated(self.device)
+            cuda = max(0, (after or 0) - self._cuda_before)
+        if not live and not cuda:
+            return None
+        refs = [ref for _, ref in live]
+        return Leftovers(
+            alive=[label for label, _ in live],
+            tensor_bytes=reachable_tensor_bytes(obj for ref in refs if (obj := ref()) is not None),
+            cuda_bytes=cuda,
+            holders=_module_globals_holding(refs),
+        )
+
+
+def reachable_tensor_bytes(roots: Iterable[Any]) -> int:
+    """Bytes of tensor storage reachable from ``roots`` (each storage once; module globals not followed)."""
+    storages: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack and len(seen) < _WALK_LIMIT:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (types.ModuleType, type, types.FrameType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            _add_storage(storages, obj)
+            stack.extend(t for t in (obj.grad, getattr(obj, "_local_tensor", None)) if t is not None)
+        if isinstance(obj, types.FunctionType):
+            # a closure's cells and defaults, not the globals of the module it was defined in
+            stack.extend(cell.cell_contents for cell in obj.__closure__ or () if _filled(cell))
+            stack.extend(obj.__defaults__ or ())
+            continue
+        stack.extend(gc.get_referents(obj))
+    return sum(storages.values())
+
+
+def _add_storage(storages: dict[tuple[str, int], int], tensor: torch.Tensor) -> None:
+    try:
+        storage = tensor.untyped_storage()
+        size = storage.nbytes()
+        if size:
+            storages[(str(storage.device), storage.data_ptr())] = size
+    except (RuntimeError, NotImplementedError):  # meta tensors, wrapper subclasses without storage
+        pass
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _module_globals_holding(refs: list[weakref.ref], limit: int = 4) -> list[str]:
+    """Module globals that hold a live object, directly or in a list, tuple, set or dict they hold.
+
+    The common way a model outlives its test; other holders (a closure, a registry inside a
+    library) are not searched, so this may be empty.
+    """
+    targets = {id(obj) for ref in refs if (obj := ref()) is not None}
+    found: list[str] = []
+    for module_name, module in list(sys.modules.items()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if isinstance(value, dict):
+                members: Iterable[Any] = list(value.values())
+            elif isinstance(value, (list, tuple, set, frozenset)):
+                members = list(value)
+            else:
+                members = ()
+            if id(value) in targets or any(id(m) in targets for m in members):
+                found.append(f"{module_name}.{name}")
+                if len(found) >= limit:
+                    return found
+    return found
+
+
+def _cuda_allocated(device: str) -> int | None:
+    """CUDA bytes allocated on ``device`` now (cuBLAS workspaces, cached per stream, freed first);
+    None on CPU ranks."""
+    if not device.startswith("cuda"):
+        return None
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB ({n:,} bytes)"
