@@ -26,7 +26,7 @@ from megatron.core.transformer import TransformerConfig
 
 from ..environment import DistEnv
 from . import versions
-from .config import TRANSFORMER_FIELDS, RunConfig
+from .config import TRANSFORMER_FIELDS, ConfigError, RunConfig
 from .presets import ModelPreset
 
 
@@ -165,6 +165,8 @@ def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
     config = transformer_config(cfg, preset, env)
     # Meta-device init (Bridge's perf harness): parameters are materialised by Megatron-FSDP,
     # unit by unit, when it wraps the model (reset_parameters on the target device).
+    if cfg.model.init_model_with_meta_device and (problem := versions.meta_device_init_problem()):
+        raise ConfigError(problem)  # before building: the wrapper would fail deep inside, later
     meta = torch.device("meta") if cfg.model.init_model_with_meta_device else contextlib.nullcontext()
     with meta:
         model = _gpt_model(config, preset, env)

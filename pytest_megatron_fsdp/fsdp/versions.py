@@ -158,21 +158,26 @@ def fully_shard_problem() -> str | None:
     return None
 
 
-META_INIT_LOCAL_SPEC = (
-    "init_model_with_meta_device=True needs every module to have reset_parameters: Megatron-FSDP "
-    "materialises meta parameters by calling it per module; this megatron-core's local "
-    "(non-Transformer-Engine) VocabParallelEmbedding has none, so the wrapper raises ValueError. "
-    "Not checked with the Transformer Engine layer spec (no GPU or TE in this session)"
-)
+def meta_device_init_problem() -> str | None:
+    """Why ``init_model_with_meta_device=True`` cannot build the harness's GPT on this
+    megatron-core, as one line naming the field, the value and the fix; None when it can.
 
-
-def meta_init_unsupported_by_local_spec() -> bool:
-    """Feature check, not a version number: does the local embedding lack ``reset_parameters``?
-    Imports megatron (call it inside a rank only)."""
+    Megatron-FSDP materialises meta parameters by calling each owning module's
+    ``reset_parameters`` (or ``_reset_parameters``) and raises ValueError for a module without one
+    (``param_and_grad_buffer.py``: "does not have a reset_parameters or _reset_parameters method").
+    The GPT's word embedding is megatron-core's VocabParallelEmbedding in either layer spec (local
+    or Transformer Engine). A feature check, not a version number: imports megatron (call it inside
+    a rank only).
+    """
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    return not any(
-        hasattr(VocabParallelEmbedding, name) for name in ("reset_parameters", "_reset_parameters")
+    if any(hasattr(VocabParallelEmbedding, name) for name in ("reset_parameters", "_reset_parameters")):
+        return None
+    return (
+        "model.init_model_with_meta_device=True cannot build this GPT: Megatron-FSDP materialises "
+        "meta parameters through each module's reset_parameters, and this megatron-core's "
+        "VocabParallelEmbedding (the word embedding) has none; set "
+        "model.init_model_with_meta_device=False"
     )
 
 

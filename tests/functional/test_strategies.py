@@ -15,6 +15,7 @@ from pytest_megatron_fsdp import (
     assert_last_loss_finite,
     assert_loss_decreased,
     assert_megatron_fsdp_sharded,
+    config,
 )
 from pytest_megatron_fsdp.config import apply_perf_harness_overrides
 from pytest_megatron_fsdp.fsdp import versions
@@ -173,24 +174,24 @@ def test_bf16_trains_with_finite_loss(megatron_fsdp_run, run_config):
 
 
 @pytest.mark.distributed(world_size=2)
-def test_meta_device_init_trains_and_is_materialised(request, megatron_fsdp_run, run_config):
+def test_meta_device_init_trains_and_is_materialised(megatron_fsdp_run, run_config):
     """Bridge's perf harness builds on the meta device; Megatron-FSDP materialises each module.
 
-    Expected to fail where the local layer spec cannot be materialised (a feature check, not a
-    version): Megatron-FSDP calls reset_parameters per module, and the local (non-Transformer-Engine)
-    VocabParallelEmbedding has none, so the wrapper raises ValueError (versions.META_INIT_LOCAL_SPEC).
+    Where megatron-core's word embedding has no reset_parameters (a feature check: 0.16.1 and
+    0.19.2), the wrapper would raise ValueError deep inside its buffer set-up: the harness refuses
+    the config first, in one line naming the field, the value and the fix.
     """
-    if versions.meta_init_unsupported_by_local_spec():
-        request.applymarker(
-            pytest.mark.xfail(
-                raises=ValueError,
-                strict=True,
-                reason="meta-device init: the local VocabParallelEmbedding has no reset_parameters "
-                "(see the test's docstring)",
-            )
-        )
     apply_perf_harness_overrides(run_config)
     assert run_config.model.init_model_with_meta_device
+    problem = versions.meta_device_init_problem()
+    if problem is not None:
+        with pytest.raises(config.ConfigError) as refused:
+            megatron_fsdp_run(run_config)
+        message = str(refused.value)
+        assert message == problem and "\n" not in message
+        assert message.startswith("model.init_model_with_meta_device=True ")
+        assert message.endswith("set model.init_model_with_meta_device=False")
+        return
     run = megatron_fsdp_run(run_config)
     assert not any(p.is_meta for p in run.model.parameters())
     result = run.train(ITERS)
