@@ -339,8 +339,19 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
             writer = _DigestingWriter(tmp_dir, die_while_writing=_kill_during_save(run.env.rank, iteration))
             dcp.save(state_dict, storage_writer=writer)
             written = writer.digests
-        except _FAILURES as exc:
+        except CheckpointException as exc:  # DCP's: it gathered every rank's, all raise it
             problem = f"rank {run.env.rank}: writing the shards failed: {_describe(exc)}"
+        except Exception as exc:
+            # Anything else came from this rank alone, inside a sequence of collectives (the
+            # handlers', the uneven-DTensor pass, DCP's): the peers may wait in one of them, and
+            # an outcome exchange now would meet them in the wrong collective. Fail here; the
+            # harness releases the peers.
+            if rank0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"saving iteration {iteration} to {root} failed (previous checkpoint kept): rank "
+                f"{run.env.rank} failed while the ranks were writing it: {_describe(exc)}"
+            ) from exc
         outcomes = gather_objects((problem, written))
         problems = list(dict.fromkeys(p for p, _ in outcomes if p is not None))
         written = {name: digest for _, theirs in outcomes for name, digest in theirs.items()}

@@ -43,7 +43,7 @@ from .protocol import (
     read_batch,
     spec_of,
 )
-from .session import RANK_SESSION, RankSession, TorchrunEnv
+from .session import RANK_SESSION, RankSession, TorchrunEnv, forget_dtensor_shardings
 
 #: How long a rank whose test timed out waits for the peers' flight records and stacks before it
 #: exits (a peer whose thread cannot get the GIL is dumped by faulthandler's C watchdog instead).
@@ -227,6 +227,9 @@ class RankPlugin:
         """The checks fixtures registered for after the test (``RankSession.after_test``); a problem
         fails the test's teardown report (or joins it as a section when teardown already failed)."""
         _release_failed_test_frames()
+        # The next test's meshes may compare equal to this one's, over other groups (a changed
+        # model-parallel layout, a renewed process group): no cached sharding may carry this one's.
+        forget_dtensor_shardings()
 
         def check() -> None:
             problems = rank_session.run_after_test_checks()
