@@ -272,6 +272,13 @@ class RankPlugin:
             report.sections.append(
                 ("teardown collective skipped", f"the process group was released after the failure: {echo}")
             )
+        if report.failed:
+            # Now, before the ranks agree: a peer stuck in a collective can hold the agreed report
+            # back until the process-group timeout, or for good if this rank set is then killed.
+            self.log.write(
+                f"FAILED {report.nodeid} ({report.when}) on rank {self.rank}:\n{report.longreprtext}\n"
+            )
+            self.log.flush()
         if rank_session is not None and (report.failed or (report.skipped and report.when == "call")):
             # Peers may be waiting in a collective this rank will never enter: let them fail now
             # rather than wait out the process-group timeout. The group is rebuilt after the test.
@@ -280,8 +287,10 @@ class RankPlugin:
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.failed:
-            self.log.write(f"FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
+        if report.failed and self.config.stash.get(RANK_SESSION, None) is not None:
+            # the agreed report (it quotes every failing rank); this rank's own failure was logged
+            # by makereport as it happened
+            self.log.write(f"FAILED (agreed) {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
 
     @contextmanager
     def _watchdog(self, nodeid: str, timeout: float) -> Iterator[None]:

@@ -8,6 +8,8 @@ directory every rank sees. :meth:`RankSession.close` undoes all of it, also afte
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 import os
 import shutil
 import tempfile
@@ -67,6 +69,42 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     )
 
 
+def bound_group_timeouts(limit: datetime.timedelta) -> Callable[[], None]:
+    """Every process group created from now on waits at most ``limit`` in a collective.
+
+    ``--mfsdp-pg-timeout`` is the harness's bound on a collective whose peer is gone; the default
+    group gets it at init, but libraries create their own groups with their own, longer timeouts
+    (Megatron's model-parallel groups: 30 minutes). A rank that fails while its peers wait in one of
+    those (Megatron-FSDP's coalesced reduce-scatter or all-gather on the data-parallel group) would
+    hold them there for that long: destroying or aborting the group on the failing rank does not
+    close gloo's connections while the model still references the group (measured, torch 2.14).
+    So every group's timeout is capped, through the helper that ``new_group`` and
+    ``init_process_group`` share. Returns the function that puts the helper back.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d._new_process_group_helper
+    signature = inspect.signature(original)
+    if "timeout" not in signature.parameters:  # a torch that changed its internals: keep its own
+        return lambda: None
+
+    @functools.wraps(original)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        timeout = call.arguments.get("timeout")
+        if timeout is None or timeout > limit:
+            call.arguments["timeout"] = limit
+        return original(*call.args, **call.kwargs)
+
+    c10d._new_process_group_helper = bounded
+
+    def restore() -> None:
+        if c10d._new_process_group_helper is bounded:
+            c10d._new_process_group_helper = original
+
+    return restore
+
+
 class RankSession:
     """This rank's part of the distributed session."""
 
@@ -88,6 +126,8 @@ class RankSession:
         self.store = harness_store
         self._on_release: list[Callable[[], None]] = []
         self._after_test: list[Callable[[], str | None]] = []
+        #: puts torch's group-creation helper back (see bound_group_timeouts)
+        self._unbound_group_timeouts = bound_group_timeouts(pg_timeout)
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once per registration) each time the process group is about to go.
@@ -236,5 +276,6 @@ class RankSession:
         self._release_dependents()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._unbound_group_timeouts()
         if rank == 0:
             shutil.rmtree(self.env.shared_dir, ignore_errors=True)
