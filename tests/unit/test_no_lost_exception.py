@@ -2,8 +2,9 @@
 is reported, with its traceback, within the process-group timeout, not the test's.
 
 The scenario as a user writes it: rank 1 raises between two ``run.train`` calls, so rank 0 goes on
-into the next iteration and waits in Megatron-FSDP's coalesced parameter all-gather on the
-data-parallel group, which Megatron creates with its own 30-minute timeout.
+into the next iteration and waits in Megatron-FSDP's coalesced parameter all-gather
+(optim_grads_params) or gradient reduce-scatter (optim_grads) on the data-parallel group, which
+Megatron creates with its own 30-minute timeout.
 """
 
 import os
@@ -25,15 +26,26 @@ import torch
 import torch.distributed as dist
 
 
-@pytest.mark.distributed(world_size=2, timeout={TEST_TIMEOUT_S})
-def test_boom(megatron_fsdp_run, run_config, dist_env):
-    run = megatron_fsdp_run(run_config)
+def boom_between_two_train_calls(run, rank, name):
     run.train(2)
-    if dist_env.rank == 1:
-        with open("raised_at.txt", "w") as f:
+    if rank == 1:
+        with open(f"raised_at_{{name}}.txt", "w") as f:
             f.write(repr(time.time()))
-        raise RuntimeError("boom on rank 1 between two train calls")
+        raise RuntimeError(f"boom on rank 1 in {{name}}")
     run.train(2)  # rank 0: into the next iteration's collectives, which rank 1 never enters
+
+
+@pytest.mark.distributed(world_size=2, timeout={TEST_TIMEOUT_S})
+def test_all_gather(megatron_fsdp_run, run_config, dist_env):
+    # optim_grads_params: rank 0 waits in the parameter all-gather before its backward
+    boom_between_two_train_calls(megatron_fsdp_run(run_config), dist_env.rank, "test_all_gather")
+
+
+@pytest.mark.distributed(world_size=2, timeout={TEST_TIMEOUT_S})
+def test_reduce_scatter(megatron_fsdp_run, run_config, dist_env):
+    # optim_grads: no parameter all-gather; rank 0 waits in the gradient reduce-scatter
+    run_config.ddp.data_parallel_sharding_strategy = "optim_grads"
+    boom_between_two_train_calls(megatron_fsdp_run(run_config), dist_env.rank, "test_reduce_scatter")
 
 
 @pytest.mark.distributed(world_size=2)
@@ -47,8 +59,8 @@ def test_collectives_work_again(dist_env):
 REPORT_TIME_CONFTEST = """
 import os, time
 def pytest_runtest_logreport(report):
-    if "RANK" not in os.environ and report.nodeid.endswith("test_boom") and report.failed:
-        with open("reported_at.txt", "w") as f:
+    if "RANK" not in os.environ and report.failed:
+        with open(f"reported_at_{report.nodeid.split('::')[-1]}.txt", "w") as f:
             f.write(repr(time.time()))
 """
 
@@ -68,7 +80,7 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_a_rank_failing_while_its_peer_waits_in_a_megatron_fsdp_collective_is_reported_in_time(
+def test_a_rank_failing_while_its_peer_waits_in_megatron_fsdp_collectives_is_reported_in_time(
     pytester, monkeypatch
 ):
     tmp = pytester.path / "tmp"
@@ -88,26 +100,36 @@ def test_a_rank_failing_while_its_peer_waits_in_a_megatron_fsdp_collective_is_re
     )
     wall = time.monotonic() - started
     out = result.stdout.str()
-    result.assert_outcomes(failed=1, passed=1)
+    result.assert_outcomes(failed=2, passed=1)
 
-    # rank 1's exception and traceback are in the report, under rank 1
-    assert "failed on ranks 0, 1" in out, out
-    rank1 = out[out.index("---------- rank 1 (log:") :]
-    assert "RuntimeError: boom on rank 1 between two train calls" in rank1, out
-    assert 'raise RuntimeError("boom on rank 1 between two train calls")' in rank1, out
-    assert "test_boom.py:15: RuntimeError" in rank1, out
+    for name, waited_in in (
+        ("test_all_gather", "in all_gather_and_wait_parameters_ready"),
+        ("test_reduce_scatter", "in _bucket_group_gradient_reduce"),
+    ):
+        # rank 1's exception and traceback are in the report, under rank 1; rank 0 got out of
+        # Megatron-FSDP's collective
+        report = out[out.index(f"_ {name} _") :]
+        report = report[: report.index("Captured")]
+        assert "failed on ranks 0, 1" in report, out
+        rank0, rank1 = report.split("---------- rank 1 (log:")
+        assert waited_in in rank0, out
+        assert f"RuntimeError: boom on rank 1 in {name}" in rank1, out
+        assert 'raise RuntimeError(f"boom on rank 1 in {name}")' in rank1, out
+        assert "test_boom.py:13: RuntimeError" in rank1, out
 
-    # in time: the process-group timeout (every group's, Megatron's included) let rank 0 out
-    raised = float((pytester.path / "raised_at.txt").read_text())
-    reported = float((pytester.path / "reported_at.txt").read_text())
-    assert reported - raised <= REPORT_BOUND_S, (reported - raised, out)
+        # in time: the process-group timeout (every group's, Megatron's included) let rank 0 out
+        raised = float((pytester.path / f"raised_at_{name}.txt").read_text())
+        reported = float((pytester.path / f"reported_at_{name}.txt").read_text())
+        assert reported - raised <= REPORT_BOUND_S, (name, reported - raised, out)
 
-    # rank 1's log had the failure as it happened, before the ranks agreed and rebuilt the group
-    log = (logs / "batch1-world2" / "rank1.log").read_text()
-    own = log.index("FAILED test_boom.py::test_boom (call) on rank 1:")
-    assert "boom on rank 1" in log[own:] and own < log.index("process group rebuilt"), log
+        # rank 1's log had the failure as it happened, before the ranks agreed and rebuilt the group
+        log = (logs / "batch1-world2" / "rank1.log").read_text()
+        log = log[log.index(f"START test_boom.py::{name}") :]
+        own = log.index(f"FAILED test_boom.py::{name} (call) on rank 1:")
+        assert f"boom on rank 1 in {name}" in log[own:] and own < log.index("process group rebuilt"), log
 
-    # a rank-set start-up (~10-30 s here) plus the bound, with room for a loaded machine
-    assert wall < 120, wall
+    # a rank-set start-up (~10-30 s here), two model builds and the bound twice, with room for a
+    # loaded machine
+    assert wall < 150, wall
     assert _processes_mentioning(str(pytester.path)) == []
     assert list(tmp.iterdir()) == []
