@@ -170,6 +170,16 @@ OPTIONS: dict[str, Option] = {
             "true|false",
         ),
         Option(
+            "debug-collectives",
+            "run the ranks with TORCH_DISTRIBUTED_DEBUG=DETAIL: before each collective the ranks "
+            "compare its op, shapes and dtypes, so a mismatch fails at once on every rank with torch's "
+            "message instead of hanging until the timeout (slower: one extra exchange per collective; "
+            "setting TORCH_DISTRIBUTED_DEBUG=DETAIL yourself before the ranks start does the same)",
+            _boolean,
+            False,
+            "true|false",
+        ),
+        Option(
             "report-json",
             "write every distributed test's training metrics (loss, grad norm, step time, tokens/s, "
             "peak memory, checkpoint figures) as JSON to this file (schemas/mfsdp-report.schema.json)",

@@ -35,7 +35,7 @@ from .harness import protocol
 from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .harness.platform import PlatformChoice, select_platform
 from .harness.rank import RankPlugin
-from .harness.session import RANK_SESSION, RankSession, TorchrunEnv
+from .harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
 from .reporting import metrics
 
 
@@ -95,6 +95,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
         return
     if not protocol.launched_by_parent(early_config):
         _private_temp(early_config, torchrun)
+    if options.resolve(early_config, "debug-collectives"):
+        # before any conftest or test module can create a process group or read the setting
+        check_collectives(os.environ)
     choice = select_platform(options.resolve(early_config, "platform"), torchrun.local_world_size)
     if choice.platform == "cpu":
         from .harness import cuda_emulation

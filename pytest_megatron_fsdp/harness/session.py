@@ -13,7 +13,7 @@ import inspect
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,20 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
         timeout=timeout,
         multi_tenant=True,
     )
+
+
+def check_collectives(environ: MutableMapping[str, str]) -> None:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this rank, before its first process group.
+
+    torch reads the variable when ``torch.distributed`` is imported, which a launched rank has done
+    already (it imports torch while the parent collects): so it is set and torch told to read it
+    again. Groups created from now on are wrapped (``ProcessGroupWrapper``): before each collective
+    the ranks compare op, shapes and dtypes, and a mismatch raises on every rank.
+    """
+    environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    import torch.distributed as dist
+
+    dist.set_debug_level_from_env()
 
 
 def bound_group_timeouts(limit: datetime.timedelta) -> Callable[[], None]:
