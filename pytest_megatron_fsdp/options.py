@@ -138,7 +138,8 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "pg-timeout",
-            "seconds a collective may wait before the process group gives up (default 120)",
+            "seconds a collective may wait before the process group gives up; caps every process "
+            "group the ranks create, Megatron's model-parallel groups included (default 120)",
             _positive_float,
             120.0,
             "SECONDS",

@@ -187,8 +187,10 @@ class RankSession:
     def release_peers(self) -> None:
         """Tear this rank's process group down now, after a local failure.
 
-        Peers blocked in a collective with this rank then fail at once (gloo sees the connection
-        close) instead of waiting out the process-group timeout. :meth:`renew` rebuilds it.
+        Peers blocked in a collective of the default group then fail at once (gloo sees the
+        connection close). A group something still references (a model's data-parallel group) keeps
+        its connections: a peer waiting in one fails at that group's timeout, capped at the
+        session's (:func:`bound_group_timeouts`). :meth:`renew` rebuilds the groups.
         """
         import torch.distributed as dist
 
