@@ -307,7 +307,10 @@ class RankPlugin:
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
             # exits): torch's record of this rank's collectives, beside its log, for the parent to align.
             flight_recorder.dump(self.log_path.with_suffix(".fr"))
-            self._release_terminal()
+            if not self.launched:
+                # torchrun mode: the terminal is the only place the user sees (a launched rank
+                # set's parent reports from the logs, and its torchrun output is only a tail)
+                self._release_terminal()
             banner = (
                 f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {self.rank}; "
                 "stacks of every thread follow, then the rank is ended (a rank stuck in a collective "
