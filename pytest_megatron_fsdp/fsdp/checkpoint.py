@@ -154,6 +154,7 @@ def _train_state(run: TrainingRun) -> dict[str, Any]:
         "ckpt_format": FORMAT,
         "world_size": int(run.env.world_size),
         "data_parallel_size": int(parallel_state.get_data_parallel_world_size()),
+        "global_batch_size": int(getattr(run, "global_batch_size", 0)),
         "tensor_model_parallel_size": int(run.cfg.model.tensor_model_parallel_size),
         "pipeline_model_parallel_size": int(run.cfg.model.pipeline_model_parallel_size),
         "context_parallel_size": int(run.cfg.model.context_parallel_size),
@@ -610,4 +611,12 @@ def _apply_megatron_load(
     run.iteration = int(train_state["iteration"])
     scheduler = getattr(run, "scheduler", None)
     if scheduler is not None and train_state.get("scheduler") is not None:
-        scheduler.load_state_dict(train_state["scheduler"])
+        # The saving run's global batch: recorded, or (older train states) the same micro-batches
+        # per data-parallel rank at the saved data-parallel size.
+        here = int(run.global_batch_size)
+        saved = train_state.get("global_batch_size") or (
+            here
+            * int(train_state["data_parallel_size"])
+            // (run.env.world_size // run.cfg.model_parallel_size)
+        )
+        scheduler.load_state_dict(train_state["scheduler"], samples_ratio=here / int(saved))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..environment import DistEnv
-from .release import release_grad_hooks
+from .release import release_grad_hooks, release_method_caches
 from .results import RunFacts, TrainResult
 
 #: ``loss_fn(model, batch) -> scalar loss tensor``
@@ -152,6 +152,7 @@ class FullyShardRun:
     def close(self) -> None:
         """Release the wrapped model and optimizer (see ``TrainingRun.close``; again: a no-op)."""
         release_grad_hooks(self.model)
+        release_method_caches(self.model)
         self.model = None
         self.optimizer = None
 

@@ -125,7 +125,19 @@ class RunScheduler(OptimizerParamScheduler):
     has already trained, which must then continue from the checkpoint's position, not beyond it.
     """
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    #: the state's entries that count samples (iterations x global batch size)
+    SAMPLE_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+    def load_state_dict(self, state_dict: dict, samples_ratio: float = 1.0) -> None:
+        """``samples_ratio``: this run's global batch size over the saving run's. A checkpoint
+        loaded at another data-parallel size has another global batch; its sample counts are
+        rescaled so that the schedule stands at the same iteration (as Megatron-LM counts it
+        when the global batch is kept: the harness keeps the micro-batches per rank instead)."""
+        if samples_ratio != 1.0:
+            state_dict = {
+                k: (round(v * samples_ratio) if k in self.SAMPLE_COUNTS and v is not None else v)
+                for k, v in state_dict.items()
+            }
         self.num_steps = 0
         super().load_state_dict(state_dict)
 

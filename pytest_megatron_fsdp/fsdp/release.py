@@ -6,7 +6,8 @@ the wrapper, which holds the parameter. torch keeps a tensor's ``_post_accumulat
 dict where the garbage collector cannot follow it, so that cycle is never collected: every wrapper
 would outlive its test with its parameters, gradients and optimizer state (the same cycle through
 ``register_hook`` is collected; ``tests/unit/test_model_release.py`` shows both with torch alone).
-:func:`release_grad_hooks` removes those hooks; :class:`RunWatch` checks, once the test is over,
+:func:`release_grad_hooks` removes those hooks (:func:`release_method_caches` the method caches
+that hold a module); :class:`RunWatch` checks, once the test is over,
 that nothing of it is still reachable and, on GPUs, that the CUDA memory it allocated is free.
 
 Imports torch at module level: loaded only inside a rank that builds a run.
@@ -57,6 +58,28 @@ def release_grad_hooks(*modules: torch.nn.Module | None) -> int:
                 removed += len(hooks)
                 hooks.clear()
     return removed
+
+
+def release_method_caches(*modules: torch.nn.Module | None) -> int:
+    """Clear the ``functools.lru_cache`` of every method of the modules' classes; returns how many.
+
+    A cache on a method is one per class and keys on ``self``: megatron-core's
+    ``RotaryEmbedding.forward`` (``@lru_cache(maxsize=32)``, 0.16.1 and 0.19.2) keeps the last 32
+    embeddings that called it, each holding its model config and, through the config's
+    ``grad_scale_func``, the optimizer, so a RoPE model outlived its test. (Megatron-LM PR #2229
+    clears the same kind of cache on YarnRotaryEmbedding for a memory leak.) Clearing a cache
+    costs only a recomputation in other runs of that class.
+    """
+    cleared = 0
+    classes = {type(m) for module in modules if module is not None for m in module.modules()}
+    for cls in classes:
+        for klass in cls.__mro__:
+            for attribute in vars(klass).values():
+                cache_info = getattr(attribute, "cache_info", None)  # a functools.lru_cache
+                if callable(cache_info) and hasattr(attribute, "cache_clear") and cache_info().currsize:
+                    attribute.cache_clear()
+                    cleared += 1
+    return cleared
 
 
 def freeze_existing_objects() -> None:

@@ -25,7 +25,7 @@ from . import model as model_builder
 from .config import ConfigWarning, RunConfig, validate
 from .parallel import initialize_model_parallel
 from .presets import ModelPreset
-from .release import release_grad_hooks
+from .release import release_grad_hooks, release_method_caches
 from .results import RunFacts, TrainResult
 
 
@@ -246,6 +246,7 @@ class TrainingRun:
         run or test with the same sizes; the rank session tears it down with the process group.
         """
         release_grad_hooks(self.model)
+        release_method_caches(self.model)
         self.model = None
         self.optimizer = None
         self.scheduler = None

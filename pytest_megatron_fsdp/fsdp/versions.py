@@ -295,7 +295,23 @@ FULLY_SHARD_EAGER_OPTIMIZER_STEP = KnownBug(
     package="megatron-fsdp",
 )
 
+#: Megatron-LM's own fsdp_dtensor preprocessing on a SwiGLU Megatron-FSDP model: megatron-core's
+#: ``handle_swiglu_in_state_dict`` finds parameters with ``model.get_parameter(f"module.{key}")``
+#: for model keys and ``key[len("module."):]`` for optimizer keys; with Megatron-FSDP's wrapper the
+#: optimizer's names carry one ``module.`` per wrapper (``AttributeError: MegatronFSDP has no
+#: attribute 'decoder'``), and a bf16 model's Float16Module breaks the model-key lookup too. Seen on
+#: 0.16.1 and 0.19.2. The harness calls the handler with a view of the model that resolves names
+#: below all wrappers (fsdp/megatron_layout.py).
+SWIGLU_HANDLER_LOOKUP = KnownBug(
+    "upstream bug: Megatron-LM's preprocess_fsdp_dtensor_state_dict (handle_swiglu_in_state_dict) "
+    "cannot find a Megatron-FSDP model's parameters by name (related open reports: Megatron-LM "
+    "issue #5265, Megatron-Bridge issue #4236)",
+    fixed_in=None,
+    first=(0, 16),
+)
+
 KNOWN_BUGS = {
+    "swiglu_handler_lookup": SWIGLU_HANDLER_LOOKUP,
     "fully_shard_eager_optimizer_step": FULLY_SHARD_EAGER_OPTIMIZER_STEP,
     "no_shard_param_sync": NO_SHARD_PARAM_SYNC,
     "optim_overlap_double_count": OPTIM_OVERLAP_DOUBLE_COUNT,
@@ -335,23 +351,6 @@ def megatron_lm_fsdp_dtensor_handlers() -> MegatronLMHandlers | None:
     if not all(hasattr(fsdp_dtensor_checkpoint, name) for name in needed):
         return None
     return MegatronLMHandlers(fsdp_dtensor_checkpoint)
-
-
-SWIGLU_HANDLER_LOOKUP_BUG = (
-    "upstream bug: megatron-core's handle_swiglu_in_state_dict (called by Megatron-LM's "
-    "preprocess_fsdp_dtensor_state_dict) finds parameters with model.get_parameter(f'module.{key}') for "
-    "model keys and key[len('module.'):] for optimizer keys; with Megatron-FSDP's wrapper the optimizer's "
-    "names carry one 'module.' per wrapper (AttributeError: MegatronFSDP has no attribute 'decoder'), and "
-    "a bf16 model's Float16Module breaks the model-key lookup too. Seen on megatron-core 0.16.1 and 0.19.2; "
-    "related open reports: NVIDIA/Megatron-LM#5265, NVIDIA-NeMo/Megatron-Bridge#4236. The harness calls the "
-    "handler with a view of the model that resolves names below all wrappers"
-)
-
-
-def swiglu_handler_lookup_bug() -> bool:
-    """Megatron-LM's own fsdp_dtensor preprocessing fails on a SwiGLU Megatron-FSDP model (see the
-    message); seen on 0.16.1 and 0.19.2, assumed until a newer megatron-core is checked."""
-    return megatron_core_version() < (0, 20)
 
 
 def megatron_lm_training_installed() -> bool:

@@ -403,7 +403,9 @@ def _abnormal_exits(rank_set: RankSet) -> str:
     reports already show. Anything else (an internal error, another signal, a rank set with no
     rank exit codes in torchrun's output) is not.
     """
-    exits, _ = rank_set.rank_exits()
+    # pytest's own exit status where a rank left one (the set may end before torchrun reports
+    # anything), else what torchrun's summary says about the rank
+    exits = {**rank_set.rank_exits()[0], **rank_set.rank_exit_statuses()}
     described = ", ".join(f"rank {rank}: {describe_exit(code)}" for rank, code in sorted(exits.items()))
     if not exits:
         return f"torchrun {describe_exit(rank_set.proc.returncode or 0)}, no rank exit codes in its output"

@@ -196,14 +196,15 @@ class RankSet:
         while True:
             if self.exited():
                 return self.proc.returncode
-            codes = self._rank_exit_statuses()
+            codes = self.rank_exit_statuses()
             if len(codes) == self.world_size and not self.rank_pids():
                 return next((c for c in codes.values() if c != 0), 0)
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.02)
 
-    def _rank_exit_statuses(self) -> dict[int, int]:
+    def rank_exit_statuses(self) -> dict[int, int]:
+        """pytest's exit status of each rank that left one (rank -> status)."""
         codes = {}
         for rank in range(self.world_size):
             try:

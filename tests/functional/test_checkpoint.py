@@ -600,10 +600,16 @@ def _whole_state_on_disk(iter_dir: Path) -> dict:
     return torch.load(buffer, weights_only=False)  # our own test data: pickles allowed
 
 
+def _same_tensors(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
     megatron_fsdp_run, run_config, checkpoint_dir, dist_env
 ):
     import tarfile
+
+    from megatron.core import tensor_parallel
 
     from pytest_megatron_fsdp.fsdp.megatron_layout import strip_wrappers
     from pytest_megatron_fsdp.fsdp.snapshots import tensor_digest
@@ -625,12 +631,17 @@ def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
     assert fingerprint_differences(expected, state_fingerprint(run)) != []
     assert not torch.equal(torch.get_rng_state(), mine["torch_cpu"])
     assert not torch.equal(run.data_stream_state(), mine["data_stream"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    # Megatron's RNG tracker, saved flat as "tracker.<name>"
+    saved_tracker = {k.removeprefix("tracker."): v for k, v in mine.items() if k.startswith("tracker.")}
+    assert saved_tracker and not _same_tensors(tracker.get_states(), saved_tracker)
     with pytest.warns(CheckpointWarning, match=r"iter_0000003 has no digests\.json .* not verified"):
         assert load_checkpoint(run, root) == 3
     assert fingerprint_differences(expected, state_fingerprint(run)) == []
     # this rank's RNG and data stream, as that rank saved them
     assert torch.equal(torch.get_rng_state(), mine["torch_cpu"])
     assert torch.equal(run.data_stream_state(), mine["data_stream"])
+    assert _same_tensors(tracker.get_states(), saved_tracker)
     losses = run.train(2).losses
     assert losses[1] < losses[0]
 
@@ -639,14 +650,10 @@ def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
     not versions.megatron_lm_training_installed(),
     reason="megatron.training (Megatron-LM's checkpointing) is not in this megatron-core wheel (0.16's)",
 )
-@pytest.mark.xfail(
-    versions.swiglu_handler_lookup_bug(),
-    strict=True,
-    raises=AttributeError,
-    reason=versions.SWIGLU_HANDLER_LOOKUP_BUG,
-)
-def test_megatron_lms_own_preprocessing_gives_the_same_keys(megatron_fsdp_run, run_config):
-    """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` on this run, against the harness's layout."""
+def test_megatron_lms_own_preprocessing_gives_the_same_keys(known_bug, megatron_fsdp_run, run_config):
+    """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` on this run, against the harness's layout
+    (it raises AttributeError on 0.19.2: versions.SWIGLU_HANDLER_LOOKUP)."""
+    known_bug(versions.SWIGLU_HANDLER_LOOKUP, raises=AttributeError)
     from types import SimpleNamespace
 
     from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict

@@ -62,6 +62,9 @@ def load_resharded(megatron_fsdp_run, run_config, source, saved_dp, dp):
         iteration = load_checkpoint(run, ROOT / source)
     assert iteration == recorded(source)["iteration"] == run.iteration
     assert fingerprint_differences(recorded(source)["fingerprint"], state_fingerprint(run)) == []
+    # the schedule counts samples: at the same iteration with this run's global batch
+    assert run.scheduler.num_steps == iteration * run.global_batch_size
+    assert run.scheduler.lr_decay_steps == run_config.train.train_iters * run.global_batch_size
     return run
 
 

@@ -8,6 +8,7 @@ Megatron-FSDP runs on 2 CPU ranks and look at each rank after every test.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
@@ -18,7 +19,12 @@ import pytest
 import torch
 
 from pytest_megatron_fsdp.fsdp import versions
-from pytest_megatron_fsdp.fsdp.release import RunWatch, reachable_tensor_bytes, release_grad_hooks
+from pytest_megatron_fsdp.fsdp.release import (
+    RunWatch,
+    reachable_tensor_bytes,
+    release_grad_hooks,
+    release_method_caches,
+)
 
 # -- torch's garbage collector and post-accumulate-grad hooks ---------------------------------------
 
@@ -350,3 +356,29 @@ def test_fully_shard_runs_leave_no_wrapper(pytester):
     for rank in (0, 1):
         after = _after_each_test(pytester, rank)
         assert [a["wrappers"] for a in after] == [[]] * 3, after
+
+
+class _CachedEmbedding(torch.nn.Module):
+    """A module whose method is cached per class, keyed on ``self``, as megatron-core's
+    ``RotaryEmbedding.forward`` is (``@functools.lru_cache(maxsize=32)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    @functools.lru_cache(maxsize=32)  # noqa: B019 - the pattern under test
+    def forward(self, n: int) -> torch.Tensor:
+        return self.weight[:n]
+
+
+def test_a_method_cache_keeps_its_module_until_release_clears_it():
+    embedding = _CachedEmbedding()
+    embedding(2)
+    ref = weakref.ref(embedding)
+    del embedding
+    gc.collect()
+    assert ref() is not None  # the class's cache holds the module (and all it refers to)
+    assert release_method_caches(ref()) == 1
+    assert release_method_caches(ref()) == 0  # nothing left to clear
+    gc.collect()
+    assert ref() is None
