@@ -93,12 +93,15 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     torchrun = TorchrunEnv.from_environ()
     if torchrun is None:
         return
+    # First what can refuse to start (a bad value, no GPU): a usage error here ends the rank
+    # without pytest_unconfigure, which would leave the private temp tree below behind.
+    debug_collectives = options.resolve(early_config, "debug-collectives")
+    choice = select_platform(options.resolve(early_config, "platform"), torchrun.local_world_size)
     if not protocol.launched_by_parent(early_config):
         _private_temp(early_config, torchrun)
-    if options.resolve(early_config, "debug-collectives"):
+    if debug_collectives:
         # before any conftest or test module can create a process group or read the setting
         check_collectives(os.environ)
-    choice = select_platform(options.resolve(early_config, "platform"), torchrun.local_world_size)
     if choice.platform == "cpu":
         from .harness import cuda_emulation
 
