@@ -154,6 +154,7 @@ def pytest_configure(config: pytest.Config) -> None:
             agreement_timeout_s=values["pg-timeout"],
             default_timeout_s=values["timeout"],
             distributed_logs=values["distributed-logs"],
+            private_temp=config.stash.get(_RANK_TEMP, None),
         )
         config.pluginmanager.register(rank_plugin, _RANK_PLUGIN)
     else:

@@ -61,6 +61,7 @@ class RankPlugin:
         agreement_timeout_s: float,
         default_timeout_s: float,
         distributed_logs: bool = False,
+        private_temp: Path | None = None,
     ) -> None:
         self.config = config
         self.torchrun = torchrun
@@ -79,6 +80,8 @@ class RankPlugin:
         self._released = False
         #: --mfsdp-distributed-logs: keep torch.distributed's DEBUG/INFO records in captured logs
         self._distributed_logs = distributed_logs
+        #: torchrun mode: this rank's own temp tree, removed at unconfigure (or by the watchdog)
+        self._private_temp = private_temp
 
     def pytest_configure(self, config: pytest.Config) -> None:
         # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
@@ -331,6 +334,8 @@ class RankPlugin:
             if rank_session is not None and self.rank == 0:
                 # nothing else will remove it: this process ends here, without teardown
                 shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
+            if self._private_temp is not None:
+                shutil.rmtree(self._private_temp, ignore_errors=True)  # no unconfigure either
             os._exit(TIMEOUT_EXIT_CODE)
 
         # Backup in C, should the GIL never come back to the thread above.

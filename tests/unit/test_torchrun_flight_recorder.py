@@ -37,7 +37,10 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester):
+def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, monkeypatch):
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
     pytester.makepyfile(test_stuck=STUCK)
     logs = pytester.path / "logs"
     # an earlier session's records in the same log dir must not be taken for this one's
@@ -72,3 +75,5 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester):
     assert "collectives (c10d flight recorder" in (logs / "torchrun" / "rank0.log").read_text()
     assert time.monotonic() - started < HANG_TIMEOUT_S + 60, text  # start-up, timeout, dumps
     assert _processes_mentioning(str(pytester.path)) == []
+    # the ranks ended by their watchdogs removed their private temp trees; torchrun's own stays
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
