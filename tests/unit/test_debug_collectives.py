@@ -97,6 +97,9 @@ def test_mismatched_collectives_fail_at_once_on_every_rank(pytester, monkeypatch
 def test_torchrun_mode_too(pytester, monkeypatch):
     """The user's own torchrun: the option (here from the environment) takes effect in each rank's
     pytest before any conftest or test module runs."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     monkeypatch.setenv("MFSDP_DEBUG_COLLECTIVES", "true")
     pytester.makepyfile(test_mismatch=MISMATCH)
@@ -111,6 +114,7 @@ def test_torchrun_mode_too(pytester, monkeypatch):
         "-p",
         "no:cacheprovider",
         "--mfsdp-platform=cpu",
+        "--mfsdp-log-dir=logs",
         timeout=180,
     )
     out = result.stdout.str()
@@ -121,3 +125,4 @@ def test_torchrun_mode_too(pytester, monkeypatch):
     entered = float((pytester.path / "entered_at.txt").read_text())
     assert time.time() - entered < TEST_TIMEOUT_S / 2, out
     assert _processes_mentioning(str(pytester.path)) == []
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
