@@ -138,7 +138,8 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "pg-timeout",
-            "seconds a collective may wait before the process group gives up (default 120)",
+            "seconds a collective may wait before the process group gives up; caps every process "
+            "group the ranks create, Megatron's model-parallel groups included (default 120)",
             _positive_float,
             120.0,
             "SECONDS",
@@ -165,6 +166,16 @@ OPTIONS: dict[str, Option] = {
             "distributed-logs",
             "keep torch.distributed's own DEBUG/INFO log records (DCP's per-call event log, c10d's) in "
             "captured logs; default false: only their warnings and errors, the rest is noise in reports",
+            _boolean,
+            False,
+            "true|false",
+        ),
+        Option(
+            "debug-collectives",
+            "run the ranks with TORCH_DISTRIBUTED_DEBUG=DETAIL: before each collective the ranks "
+            "compare its op, shapes and dtypes, so a mismatch fails at once on every rank with torch's "
+            "message instead of hanging until the timeout (slower: one extra exchange per collective; "
+            "setting TORCH_DISTRIBUTED_DEBUG=DETAIL yourself before the ranks start does the same)",
             _boolean,
             False,
             "true|false",

@@ -35,7 +35,7 @@ from .harness import protocol
 from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .harness.platform import PlatformChoice, select_platform
 from .harness.rank import RankPlugin
-from .harness.session import RANK_SESSION, RankSession, TorchrunEnv
+from .harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
 from .reporting import metrics
 
 
@@ -93,9 +93,15 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     torchrun = TorchrunEnv.from_environ()
     if torchrun is None:
         return
+    # First what can refuse to start (a bad value, no GPU): a usage error here ends the rank
+    # without pytest_unconfigure, which would leave the private temp tree below behind.
+    debug_collectives = options.resolve(early_config, "debug-collectives")
+    choice = select_platform(options.resolve(early_config, "platform"), torchrun.local_world_size)
     if not protocol.launched_by_parent(early_config):
         _private_temp(early_config, torchrun)
-    choice = select_platform(options.resolve(early_config, "platform"), torchrun.local_world_size)
+    if debug_collectives:
+        # before any conftest or test module can create a process group or read the setting
+        check_collectives(os.environ)
     if choice.platform == "cpu":
         from .harness import cuda_emulation
 
@@ -148,6 +154,7 @@ def pytest_configure(config: pytest.Config) -> None:
             agreement_timeout_s=values["pg-timeout"],
             default_timeout_s=values["timeout"],
             distributed_logs=values["distributed-logs"],
+            private_temp=config.stash.get(_RANK_TEMP, None),
         )
         config.pluginmanager.register(rank_plugin, _RANK_PLUGIN)
     else:

@@ -355,17 +355,7 @@ class Controller:
 
     def _collectives(self, rank_set: RankSet) -> list[str]:
         """Who is stuck where, from the ranks' flight-recorder dumps (written as they timed out)."""
-        traces = {}
-        for rank in range(rank_set.world_size):
-            trace = flight_recorder.load(rank_set.log_dir / f"rank{rank}.fr")
-            if trace is not None:
-                traces[rank] = trace
-        aligned = flight_recorder.align(traces, time.time_ns())
-        if not aligned:
-            return []
-        return ["collectives (c10d flight recorder; raw records: rank<R>.fr beside the logs):"] + [
-            f"  {line}" for line in aligned
-        ]
+        return flight_recorder.section(rank_set.log_dir, rank_set.world_size, time.time_ns())
 
     def _failure(
         self,

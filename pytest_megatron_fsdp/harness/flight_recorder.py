@@ -147,3 +147,19 @@ def align(traces: Mapping[int, Mapping[str, Any]], now_ns: int) -> list[str]:
                     f"{first_rank} has waited in for {waited:.1f} s"
                 )
     return lines
+
+
+def section(log_dir: Path, world_size: int, now_ns: int) -> list[str]:
+    """The "collectives" section of a timeout report, from the ``rank<R>.fr`` dumps in ``log_dir``
+    (a rank with no dump there is left out); [] when there is none."""
+    traces = {}
+    for rank in range(world_size):
+        trace = load(log_dir / f"rank{rank}.fr")
+        if trace is not None:
+            traces[rank] = trace
+    aligned = align(traces, now_ns)
+    if not aligned:
+        return []
+    return ["collectives (c10d flight recorder; raw records: rank<R>.fr beside the logs):"] + [
+        f"  {line}" for line in aligned
+    ]

@@ -61,6 +61,7 @@ class RankPlugin:
         agreement_timeout_s: float,
         default_timeout_s: float,
         distributed_logs: bool = False,
+        private_temp: Path | None = None,
     ) -> None:
         self.config = config
         self.torchrun = torchrun
@@ -79,6 +80,8 @@ class RankPlugin:
         self._released = False
         #: --mfsdp-distributed-logs: keep torch.distributed's DEBUG/INFO records in captured logs
         self._distributed_logs = distributed_logs
+        #: torchrun mode: this rank's own temp tree, removed at unconfigure (or by the watchdog)
+        self._private_temp = private_temp
 
     def pytest_configure(self, config: pytest.Config) -> None:
         # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
@@ -88,6 +91,11 @@ class RankPlugin:
         self.log_path = log_dir / f"rank{self.rank}.log"
         self.log: IO[str] = open(self.log_path, "w", buffering=1)  # noqa: SIM115 (lives as long as the rank)
         (log_dir / f"rank{self.rank}.pid").write_text(str(os.getpid()))
+        # An earlier session's timeout markers and flight records (torchrun mode reuses its log dir;
+        # a launched rank set's is emptied by the parent): a marker naming the same test would end
+        # the wait for this session's peers early, an old record would be aligned as theirs.
+        for suffix in (".expired", ".fr", ".aligned"):
+            self.log_path.with_suffix(suffix).unlink(missing_ok=True)
         # `kill -USR1 <pid>` (the plain-mode parent's backup watchdog does) dumps every thread's stack.
         faulthandler.register(signal.SIGUSR1, file=self.log, all_threads=True)
         # A fatal signal (SIGSEGV, SIGABRT, ...) dumps them into this rank's log too, which failure
@@ -275,6 +283,13 @@ class RankPlugin:
             report.sections.append(
                 ("teardown collective skipped", f"the process group was released after the failure: {echo}")
             )
+        if report.failed:
+            # Now, before the ranks agree: a peer stuck in a collective can hold the agreed report
+            # back until the process-group timeout, or for good if this rank set is then killed.
+            self.log.write(
+                f"FAILED {report.nodeid} ({report.when}) on rank {self.rank}:\n{report.longreprtext}\n"
+            )
+            self.log.flush()
         if rank_session is not None and (report.failed or (report.skipped and report.when == "call")):
             # Peers may be waiting in a collective this rank will never enter: let them fail now
             # rather than wait out the process-group timeout. The group is rebuilt after the test.
@@ -283,8 +298,10 @@ class RankPlugin:
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.failed:
-            self.log.write(f"FAILED {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
+        if report.failed and self.config.stash.get(RANK_SESSION, None) is not None:
+            # the agreed report (it quotes every failing rank); this rank's own failure was logged
+            # by makereport as it happened
+            self.log.write(f"FAILED (agreed) {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
 
     @contextmanager
     def _watchdog(self, nodeid: str, timeout: float) -> Iterator[None]:
@@ -296,6 +313,10 @@ class RankPlugin:
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
             # exits): torch's record of this rank's collectives, beside its log, for the parent to align.
             flight_recorder.dump(self.log_path.with_suffix(".fr"))
+            if not self.launched:
+                # torchrun mode: the terminal is the only place the user sees (a launched rank
+                # set's parent reports from the logs, and its torchrun output is only a tail)
+                self._release_terminal()
             banner = (
                 f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {self.rank}; "
                 "stacks of every thread follow, then the rank is ended (a rank stuck in a collective "
@@ -310,10 +331,14 @@ class RankPlugin:
                 except (OSError, ValueError):
                     pass
             self._await_peer_dumps(nodeid)
+            if not self.launched:
+                self._align_collectives(nodeid)
             rank_session = self.config.stash.get(RANK_SESSION, None)
             if rank_session is not None and self.rank == 0:
                 # nothing else will remove it: this process ends here, without teardown
                 shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
+            if self._private_temp is not None:
+                shutil.rmtree(self._private_temp, ignore_errors=True)  # no unconfigure either
             os._exit(TIMEOUT_EXIT_CODE)
 
         # Backup in C, should the GIL never come back to the thread above.
@@ -325,6 +350,17 @@ class RankPlugin:
         finally:
             done.set()
             faulthandler.cancel_dump_traceback_later()
+
+    def _release_terminal(self) -> None:
+        """Stop pytest's capture (this process ends without a report), so what the watchdog writes
+        to stderr reaches the terminal, or torchrun's output, instead of the test's captured output."""
+        capman = self.config.pluginmanager.get_plugin("capturemanager")
+        if capman is None:
+            return
+        try:
+            capman.suspend_global_capture(in_=False)
+        except Exception:  # noqa: BLE001 - the capture in another state: stderr stays as it is
+            pass
 
     def _await_peer_dumps(self, nodeid: str) -> None:
         """Stay until every rank has dumped for ``nodeid`` (bounded): torchrun stops the others as
@@ -340,6 +376,32 @@ class RankPlugin:
                     return
             except OSError:
                 pass  # a peer has not got there yet
+            time.sleep(0.05)
+
+    def _align_collectives(self, nodeid: str) -> None:
+        """torchrun mode, where no parent aligns the ranks' flight records: rank 0 writes the
+        "collectives" section (as the plain-mode parent adds it to the report) to the terminal and
+        its log; the other ranks stay until it has (bounded), since torchrun stops every rank as
+        soon as one exits. Dumps in log directories that other nodes do not share are left out."""
+        log_dir = self.log_path.parent
+        aligned = log_dir / "rank0.aligned"
+        if self.rank == 0:
+            lines = flight_recorder.section(log_dir, self.torchrun.world_size, time.time_ns())
+            for stream in (self.log, sys.stderr):
+                try:
+                    stream.write("".join(f"{line}\n" for line in lines))
+                    stream.flush()
+                except (OSError, ValueError):
+                    pass
+            aligned.write_text(nodeid)
+            return
+        deadline = time.monotonic() + PEER_DUMP_GRACE_S
+        while time.monotonic() < deadline:
+            try:
+                if aligned.read_text() == nodeid:
+                    return
+            except OSError:
+                pass  # rank 0 has not got there yet
             time.sleep(0.05)
 
     def _exchange_outcomes(

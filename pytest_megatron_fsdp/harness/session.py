@@ -8,10 +8,12 @@ directory every rank sees. :meth:`RankSession.close` undoes all of it, also afte
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,56 @@ def forget_dtensor_shardings() -> None:
         native()  # the C++ dispatch fast path's own copy of the cache
 
 
+def check_collectives(environ: MutableMapping[str, str]) -> None:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this rank, before its first process group.
+
+    torch reads the variable when ``torch.distributed`` is imported, which a launched rank has done
+    already (it imports torch while the parent collects): so it is set and torch told to read it
+    again. Groups created from now on are wrapped (``ProcessGroupWrapper``): before each collective
+    the ranks compare op, shapes and dtypes, and a mismatch raises on every rank.
+    """
+    environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    import torch.distributed as dist
+
+    dist.set_debug_level_from_env()
+
+
+def bound_group_timeouts(limit: datetime.timedelta) -> Callable[[], None]:
+    """Every process group created from now on waits at most ``limit`` in a collective.
+
+    ``--mfsdp-pg-timeout`` is the harness's bound on a collective whose peer is gone; the default
+    group gets it at init, but libraries create their own groups with their own, longer timeouts
+    (Megatron's model-parallel groups: 30 minutes). A rank that fails while its peers wait in one of
+    those (Megatron-FSDP's coalesced reduce-scatter or all-gather on the data-parallel group) would
+    hold them there for that long: destroying or aborting the group on the failing rank does not
+    close gloo's connections while the model still references the group (measured, torch 2.14).
+    So every group's timeout is capped, through the helper that ``new_group`` and
+    ``init_process_group`` share. Returns the function that puts the helper back.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d._new_process_group_helper
+    signature = inspect.signature(original)
+    if "timeout" not in signature.parameters:  # a torch that changed its internals: keep its own
+        return lambda: None
+
+    @functools.wraps(original)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        timeout = call.arguments.get("timeout")
+        if timeout is None or timeout > limit:
+            call.arguments["timeout"] = limit
+        return original(*call.args, **call.kwargs)
+
+    c10d._new_process_group_helper = bounded
+
+    def restore() -> None:
+        if c10d._new_process_group_helper is bounded:
+            c10d._new_process_group_helper = original
+
+    return restore
+
+
 class RankSession:
     """This rank's part of the distributed session."""
 
@@ -118,6 +170,8 @@ class RankSession:
         self.store = harness_store
         self._on_release: list[Callable[[], None]] = []
         self._after_test: list[Callable[[], str | None]] = []
+        #: puts torch's group-creation helper back (see bound_group_timeouts)
+        self._unbound_group_timeouts = bound_group_timeouts(pg_timeout)
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once per registration) each time the process group is about to go.
@@ -163,8 +217,10 @@ class RankSession:
     def release_peers(self) -> None:
         """Tear this rank's process group down now, after a local failure.
 
-        Peers blocked in a collective with this rank then fail at once (gloo sees the connection
-        close) instead of waiting out the process-group timeout. :meth:`renew` rebuilds it.
+        Peers blocked in a collective of the default group then fail at once (gloo sees the
+        connection close). A group something still references (a model's data-parallel group) keeps
+        its connections: a peer waiting in one fails at that group's timeout, capped at the
+        session's (:func:`bound_group_timeouts`). :meth:`renew` rebuilds the groups.
         """
         import torch.distributed as dist
 
@@ -267,5 +323,6 @@ class RankSession:
         self._release_dependents()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._unbound_group_timeouts()
         if rank == 0:
             shutil.rmtree(self.env.shared_dir, ignore_errors=True)

@@ -1,0 +1,79 @@
+"""Under the user's own torchrun, a timed-out test's output says who is stuck where, as the
+plain-mode report does: rank 0 aligns every rank's c10d flight record before the ranks end."""
+
+import os
+import sys
+import time
+
+HANG_TIMEOUT_S = 6
+
+STUCK = f"""
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, timeout={HANG_TIMEOUT_S})
+def test_rank1_skips_the_broadcast(dist_env):
+    dist.all_reduce(torch.ones(2))
+    if dist_env.rank == 1:
+        time.sleep(3600)
+    dist.broadcast(torch.ones(3), src=0)
+"""
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, monkeypatch):
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    pytester.makepyfile(test_stuck=STUCK)
+    logs = pytester.path / "logs"
+    # an earlier session's records in the same log dir must not be taken for this one's
+    (logs / "torchrun").mkdir(parents=True)
+    for rank in range(2):
+        (logs / "torchrun" / f"rank{rank}.expired").write_text(
+            "test_stuck.py::test_rank1_skips_the_broadcast"
+        )
+        (logs / "torchrun" / f"rank{rank}.fr").write_bytes(b"stale")
+    started = time.monotonic()
+    result = pytester.run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        f"--mfsdp-log-dir={logs}",
+        timeout=180,
+    )
+    text = result.stdout.str() + result.stderr.str()
+    assert result.ret != 0
+    assert text.count("collectives (c10d flight recorder") == 1, text  # rank 0's, once
+    assert "rank 0: last completed #1 (all_reduce, default_pg, sizes [[2]]); in #2 (broadcast" in text, text
+    assert "rank 1 never entered collective #2 (broadcast, default_pg) that rank 0 has waited in for" in text
+    # both ranks dumped their stacks before either ended (torchrun stops the rest when one exits)
+    assert "timeout on rank 0" in text and "timeout on rank 1" in text, text
+    assert "collectives (c10d flight recorder" in (logs / "torchrun" / "rank0.log").read_text()
+    assert time.monotonic() - started < HANG_TIMEOUT_S + 60, text  # start-up, timeout, dumps
+    assert _processes_mentioning(str(pytester.path)) == []
+    # the ranks ended by their watchdogs removed their private temp trees; torchrun's own stays
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
