@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from . import flight_recorder
+from . import flight_recorder, warnings_relay
 from .launcher import RankSet, describe_exit
 from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, log_dir, spec_of
 
@@ -289,6 +289,8 @@ class Controller:
                         ]
                     deadline = time.monotonic() + timeout + KILL_GRACE_S
                     started = True
+                elif kind == "warnings":
+                    warnings_relay.record(item, event["warnings"])
                 elif kind == "report":
                     reports.append(_report_from_event(self.config, event["report"]))
                 elif kind == "finish":
