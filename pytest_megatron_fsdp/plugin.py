@@ -140,6 +140,8 @@ def pytest_configure(config: pytest.Config) -> None:
     values = config.stash[options.OPTION_VALUES] = options.check_all(config)
     config.stash[RANK_SESSION] = None
     torchrun = TorchrunEnv.from_environ()
+    if torchrun is not None and not protocol.launched_by_parent(config):
+        options.refuse_plain_mode_only(config)
     if torchrun is not None:
         rank_plugin = RankPlugin(
             config,
