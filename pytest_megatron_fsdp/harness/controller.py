@@ -51,6 +51,8 @@ class Controller:
         self._batches = 0
         #: whether the session's first rank set was started (or ruled out) before collection ended
         self._prestart_decided = False
+        #: a pytest-xdist worker's GPUs (CUDA_VISIBLE_DEVICES for its CUDA rank sets; see gpu_slices)
+        self.gpu_slice: str | None = None
 
     # -- batches ------------------------------------------------------------------------------------
 
@@ -102,7 +104,10 @@ class Controller:
             for old in logs.parent.glob(f"{prefix}*-world*"):
                 if old != logs:
                     shutil.rmtree(old, ignore_errors=True)
-        rank_set = RankSet(world_size, logs, self.config.invocation_params.dir)
+        env = {}
+        if self.gpu_slice is not None and self.platforms.get(world_size) == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu_slice
+        rank_set = RankSet(world_size, logs, self.config.invocation_params.dir, env)
         self.active[world_size] = rank_set
         return rank_set
 
@@ -132,6 +137,20 @@ class Controller:
         if current is not None:
             self._close(world_size)
         return self._assign(item, world_size, self._launch(world_size))
+
+    def plan_gpu_slice(self) -> str | None:
+        """In a pytest-xdist worker whose session runs tests on CUDA: this worker's GPUs, a slice
+        as large as the biggest CUDA world size (None elsewhere). Too few GPUs is a usage error."""
+        cuda = [w for w, p in self.platforms.items() if p == "cuda"]
+        if not cuda or not self._in_xdist_worker():
+            return None
+        from . import gpu_slices
+
+        workers = int(self.config.workerinput["workercount"])
+        index = gpu_slices.worker_index(self.config.workerinput["workerid"], workers)
+        devices = gpu_slices.worker_slice(gpu_slices.device_ids(), workers, index, max(cuda))
+        self.gpu_slice = ",".join(devices)
+        return self.gpu_slice
 
     def _pytest_args(self, world_size: int) -> list[str]:
         """The parent's settings that shape how a test runs, for the ranks' pytest."""
