@@ -1,5 +1,8 @@
 """pytest-xdist on a GPU node: each worker's rank sets get a disjoint slice of the GPUs."""
 
+import time
+from pathlib import Path
+
 import pytest
 
 from pytest_megatron_fsdp.harness import gpu_slices
@@ -136,9 +139,14 @@ def test_env(dist_env, n):
 
 def test_a_rank_set_is_launched_with_the_given_devices(tmp_path):
     rank_set = RankSet(2, tmp_path / "logs", tmp_path, {"CUDA_VISIBLE_DEVICES": "4,5"})
+    proc = Path(f"/proc/{rank_set.proc.pid}")
     try:
-        with open(f"/proc/{rank_set.proc.pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")
+        deadline = time.monotonic() + 30
+        # until the child has exec'd torchrun, /proc shows the environment it was forked with
+        while b"torch.distributed.run" not in (proc / "cmdline").read_bytes():
+            assert time.monotonic() < deadline, "torchrun did not start"
+            time.sleep(0.01)
+        environ = (proc / "environ").read_bytes().split(b"\0")
     finally:
         rank_set.close()
     assert b"CUDA_VISIBLE_DEVICES=4,5" in environ
