@@ -122,3 +122,21 @@ def test_capture_hands_the_warnings_back_to_the_enclosing_recorder():
             warnings.warn("once here", UserWarning, stacklevel=1)
     assert [str(m.message) for m in inner] == ["once here"]
     assert [str(m.message) for m in outer] == ["once here"]
+
+
+def test_the_plugins_own_config_warning_reaches_the_parent_summary_once(pytester):
+    pytester.makepyfile(
+        test_config_warning="""
+import pytest
+
+@pytest.mark.distributed(world_size=2, timeout=120)
+def test_average_in_collective(megatron_fsdp_run, run_config):
+    run_config.ddp.average_in_collective = True  # Megatron-FSDP switches it off, with a ConfigWarning
+    megatron_fsdp_run(run_config).train(1)
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=240)
+    result.assert_outcomes(passed=1)
+    summary = _summary(result.stdout.str())
+    line = "ConfigWarning: ddp.average_in_collective=True is not supported with Megatron-FSDP"
+    assert summary.count(line) == 1, summary
