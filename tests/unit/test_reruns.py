@@ -164,3 +164,22 @@ def test_torchrun_mode_refuses_reruns_in_one_line(pytester, monkeypatch):
     result = pytester.run(*torchrun, "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120)
     assert result.ret == 0, result.stdout.str()
     assert "1 passed" in result.stdout.str()
+
+
+def test_under_xdist_the_rerun_shows_in_the_controllers_summary(pytester):
+    pytester.makepyfile(test_reruns=RERUN_TESTS.format(root=str(pytester.path)))
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        "--mfsdp-reruns=1",
+        "-n",
+        "2",
+        "test_reruns.py::test_flaky",
+        timeout=240,
+    )
+    assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
+    result.stdout.fnmatch_lines(["FLAKY test_reruns.py::test_flaky: passed on attempt 2 of 2, in a fresh*"])
+    pids = _attempt_pids(pytester.path, "flaky")
+    assert len(set(pids[0] + pids[1])) == 4, pids
+    assert _processes_mentioning(str(pytester.path)) == []
