@@ -52,13 +52,16 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(pytester):
+@pytest.mark.parametrize("given", ["flag", "environment"])
+def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(pytester, monkeypatch, given):
     pytester.makepyfile(test_reruns=RERUN_TESTS.format(root=str(pytester.path)))
+    if given == "environment":
+        monkeypatch.setenv("MFSDP_RERUNS", "2")  # the launched ranks inherit it, and must not refuse it
     result = pytester.runpytest_subprocess(
         "-p",
         "no:cacheprovider",
         "--mfsdp-platform=cpu",
-        "--mfsdp-reruns=2",
+        *(["--mfsdp-reruns=2"] if given == "flag" else []),
         "-rP",
         "test_reruns.py::test_flaky",
         timeout=240,
