@@ -36,3 +36,5 @@ class DistributedSpec:
     cp: int = 1
     #: seconds, resolved once: marker ``timeout=`` > ``--mfsdp-timeout`` > env > ini > default
     timeout_s: float = 300.0
+    #: plain mode: attempts after a failure, each in a fresh rank set (marker ``reruns=`` > options)
+    reruns: int = 0

@@ -1,4 +1,4 @@
-"""``@pytest.mark.distributed(world_size=2, tp=1, pp=1, cp=1, timeout=None)``, parsed once.
+"""``@pytest.mark.distributed(world_size=2, tp=1, pp=1, cp=1, timeout=None, reruns=None)``, parsed once.
 
 At collection every marked test gets a :class:`DistributedSpec` in its stash (``protocol.SPEC``),
 with the timeout already resolved by the options' precedence; everything else reads that spec.
@@ -14,9 +14,9 @@ from .environment import DEFAULT_WORLD_SIZE, DistributedSpec
 from .harness.protocol import MARKER, SPEC
 
 MARKER_HELP = (
-    f"{MARKER}(world_size={DEFAULT_WORLD_SIZE}, tp=1, pp=1, cp=1, timeout=None): run the test on "
-    "world_size ranks (torchrun); tp/pp/cp are Megatron's model-parallel sizes for the test; "
-    "timeout in seconds"
+    f"{MARKER}(world_size={DEFAULT_WORLD_SIZE}, tp=1, pp=1, cp=1, timeout=None, reruns=None): run the "
+    "test on world_size ranks (torchrun); tp/pp/cp are Megatron's model-parallel sizes for the test; "
+    "timeout in seconds; reruns: attempts after a failure, each in a fresh rank set (plain mode)"
 )
 
 
@@ -28,12 +28,15 @@ def _spec(
     pp: int = 1,
     cp: int = 1,
     timeout: float | None = None,
+    reruns: int | None = None,
 ) -> DistributedSpec:
     for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"distributed marker: {name}={value!r} must be a positive integer")
     timeout_s = float(options.resolve(config, "timeout", timeout))
-    return DistributedSpec(world_size, tp, pp, cp, timeout_s)
+    if isinstance(reruns, bool):
+        raise ValueError(f"distributed marker: reruns={reruns!r} must be a whole number, 0 or more")
+    return DistributedSpec(world_size, tp, pp, cp, timeout_s, options.resolve(config, "reruns", reruns))
 
 
 def parse(item: pytest.Item) -> DistributedSpec | None:
@@ -46,7 +49,7 @@ def parse(item: pytest.Item) -> DistributedSpec | None:
     except TypeError as exc:
         raise pytest.UsageError(
             f"{item.nodeid}: bad @pytest.mark.{MARKER} arguments ({exc}); "
-            f"use {MARKER}(world_size=2, tp=1, pp=1, cp=1, timeout=None)"
+            f"use {MARKER}(world_size=2, tp=1, pp=1, cp=1, timeout=None, reruns=None)"
         ) from None
     except (ValueError, options.OptionError) as exc:
         raise pytest.UsageError(f"{item.nodeid}: {exc}") from None

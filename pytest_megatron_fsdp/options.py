@@ -45,6 +45,16 @@ def _existing_dir(text: str) -> str:
     return text
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("must be a whole number, 0 or more") from None
+    if value < 0:
+        raise ValueError("must be a whole number, 0 or more")
+    return value
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -120,6 +130,14 @@ OPTIONS: dict[str, Option] = {
             _positive_float,
             300.0,
             "SECONDS",
+        ),
+        Option(
+            "reruns",
+            "rerun a failed distributed test up to N times, each attempt in a fresh rank set; passed on a "
+            "rerun is reported as flaky (plain mode only; the marker's reruns= wins; default 0)",
+            _non_negative_int,
+            0,
+            "N",
         ),
         Option(
             "log-dir",
@@ -328,7 +346,31 @@ def starting_config(preset: str, use_megatron_fsdp: bool, platform: str) -> RunC
     return cfg
 
 
-def forwarded_args(config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir")) -> list[str]:
+#: options only the plain-mode parent acts on (it launches the rank sets): refused under torchrun
+#: when given for the run (flag, environment); the ini key is a standing setting, unused there
+PLAIN_MODE_ONLY = {
+    "reruns": "each attempt needs a fresh rank set, which only plain mode (pytest, not torchrun) launches; "
+    "a torchrun rank cannot restart its own process group",
+}
+
+
+def refuse_plain_mode_only(config: pytest.Config) -> None:
+    """Under torchrun: one usage line for a plain-mode-only option given a value that acts."""
+    for name, why in PLAIN_MODE_ONLY.items():
+        option = OPTIONS[name]
+        for source, raw in (
+            (option.flag, getattr(config.option, option.dest, None)),
+            (f"environment variable {option.env}", os.environ.get(option.env) or None),
+        ):
+            if raw is not None and _parse(option, raw, source):
+                raise OptionError(
+                    f"{source}={raw}: not under torchrun: {why}; run plain pytest to rerun failed tests"
+                )
+
+
+def forwarded_args(
+    config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir", *PLAIN_MODE_ONLY)
+) -> list[str]:
     """The options given on this command line, as flags for a launched rank set's pytest."""
     args = []
     for option in OPTIONS.values():

@@ -33,6 +33,7 @@ from .fixtures import (  # noqa: F401  (fixtures)
 from .fsdp import versions
 from .harness import protocol
 from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
+from .harness.gpu_slices import GpuSliceError
 from .harness.platform import PlatformChoice, select_platform
 from .harness.rank import RankPlugin
 from .harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
@@ -146,6 +147,8 @@ def pytest_configure(config: pytest.Config) -> None:
     values = config.stash[options.OPTION_VALUES] = options.check_all(config)
     config.stash[RANK_SESSION] = None
     torchrun = TorchrunEnv.from_environ()
+    if torchrun is not None and not protocol.launched_by_parent(config):
+        options.refuse_plain_mode_only(config)
     if torchrun is not None:
         rank_plugin = RankPlugin(
             config,
@@ -233,6 +236,17 @@ def _plan_plain_session(session: pytest.Session) -> None:
         return
     controller = config.pluginmanager.get_plugin(_CONTROLLER)
     lines = plan_platforms(controller, config.stash[options.OPTION_VALUES]["platform"], distributed)
+    try:
+        gpu_slice = controller.plan_gpu_slice()  # pytest-xdist workers on a GPU node: their own GPUs
+    except GpuSliceError as exc:
+        # Raised in a pytest-xdist worker, a usage error would end the worker unseen. As a failed
+        # collection it reaches the controller, which shows it once (identical ones from the other
+        # workers are dropped), and no worker runs anything.
+        config.hook.pytest_collectreport(report=pytest.CollectReport("", "failed", str(exc), []))
+        session.items.clear()
+        return
+    if gpu_slice is not None:
+        lines.append(f"this worker's rank sets: CUDA_VISIBLE_DEVICES={gpu_slice}")
     controller.plan_first_batch(distributed)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

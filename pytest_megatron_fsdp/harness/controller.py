@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from . import flight_recorder
+from . import flight_recorder, warnings_relay
 from .launcher import RankSet, describe_exit
 from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, log_dir, spec_of
 
@@ -51,6 +51,8 @@ class Controller:
         self._batches = 0
         #: whether the session's first rank set was started (or ruled out) before collection ended
         self._prestart_decided = False
+        #: a pytest-xdist worker's GPUs (CUDA_VISIBLE_DEVICES for its CUDA rank sets; see gpu_slices)
+        self.gpu_slice: str | None = None
 
     # -- batches ------------------------------------------------------------------------------------
 
@@ -102,7 +104,10 @@ class Controller:
             for old in logs.parent.glob(f"{prefix}*-world*"):
                 if old != logs:
                     shutil.rmtree(old, ignore_errors=True)
-        rank_set = RankSet(world_size, logs, self.config.invocation_params.dir)
+        env = {}
+        if self.gpu_slice is not None and self.platforms.get(world_size) == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = self.gpu_slice
+        rank_set = RankSet(world_size, logs, self.config.invocation_params.dir, env)
         self.active[world_size] = rank_set
         return rank_set
 
@@ -132,6 +137,20 @@ class Controller:
         if current is not None:
             self._close(world_size)
         return self._assign(item, world_size, self._launch(world_size))
+
+    def plan_gpu_slice(self) -> str | None:
+        """In a pytest-xdist worker whose session runs tests on CUDA: this worker's GPUs, a slice
+        as large as the biggest CUDA world size (None elsewhere). Too few GPUs is a usage error."""
+        cuda = [w for w, p in self.platforms.items() if p == "cuda"]
+        if not cuda or not self._in_xdist_worker():
+            return None
+        from . import gpu_slices
+
+        workers = int(self.config.workerinput["workercount"])
+        index = gpu_slices.worker_index(self.config.workerinput["workerid"], workers)
+        devices = gpu_slices.worker_slice(gpu_slices.device_ids(), workers, index, max(cuda))
+        self.gpu_slice = ",".join(devices)
+        return self.gpu_slice
 
     def _pytest_args(self, world_size: int) -> list[str]:
         """The parent's settings that shape how a test runs, for the ranks' pytest."""
@@ -194,20 +213,37 @@ class Controller:
         world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        try:
-            reports = self._collect_reports(item, rank_set)
-        except KeyboardInterrupt:
-            # SIGINT, or SIGTERM (a CI cancel; see install_signal_handlers): the running test fails
-            # with what its ranks had logged, its rank set is killed, and pytest then ends the session
-            # as interrupted, writing JUnit XML and the report for every finished test.
-            rank_set.kill()
-            reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + self._death(
-                rank_set, spec.timeout_s, interrupted=True
-            )
-            report = self._failure(item, rank_set, [], True, reason)
-            item.ihook.pytest_runtest_logreport(report=report)
-            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-            raise
+        attempts = spec.reruns + 1
+        failures: list[tuple[str, pytest.TestReport]] = []  # (rank set, failing report) per failed attempt
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:
+                rank_set = self._fresh_rank_set(item, world_size)
+            try:
+                reports = self._collect_reports(item, rank_set)
+            except KeyboardInterrupt:
+                # SIGINT, or SIGTERM (a CI cancel; see install_signal_handlers): the running test fails
+                # with what its ranks had logged, its rank set is killed, and pytest then ends the
+                # session as interrupted, writing JUnit XML and the report for every finished test.
+                rank_set.kill()
+                reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + self._death(
+                    rank_set, spec.timeout_s, interrupted=True
+                )
+                report = self._failure(item, rank_set, [], True, reason)
+                item.ihook.pytest_runtest_logreport(report=report)
+                item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+                raise
+            failed = next((r for r in reports if r.failed), None)
+            if failed is None or attempt == attempts:
+                break
+            failures.append((rank_set.log_dir.name, failed))
+            for report in reports[: reports.index(failed) + 1]:
+                if report is failed:
+                    # as pytest-rerunfailures reports it: "R", counted as "rerun", not as a failure
+                    report.outcome = "rerun"  # type: ignore[assignment]
+                    report.mfsdp_attempt = attempt
+                item.ihook.pytest_runtest_logreport(report=report)
+        if failures:
+            _note_attempts(reports, failures, attempts)
         reports += self._teardown_local_state(item, nextitem)
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
@@ -218,6 +254,31 @@ class Controller:
             if not remaining:
                 self._finish_batch(world_size)
         return True
+
+    def _fresh_rank_set(self, item: pytest.Item, world_size: int) -> RankSet:
+        """A new rank set for another attempt at ``item`` (and the rest of its batch after it).
+
+        Never the set whose test just failed: its process group went through the failure (torch's
+        own harness once reported failures as passes by rerunning in such a group, pytorch#162978).
+        That set is killed, also part-way through a later test it had run ahead to.
+        """
+        self._close(world_size)
+        return self._assign(item, world_size, self._launch(world_size))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, Any] | None:
+        if report.outcome == "rerun":
+            return "rerun", "R", ("RERUN", {"yellow": True})
+        return None
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self._in_xdist_worker():
+            return  # the xdist controller shows the reports its workers send
+        lines = rerun_summary([r for reports in terminalreporter.stats.values() for r in reports])
+        if lines:
+            terminalreporter.write_sep("=", "megatron-fsdp reruns")
+            for line in lines:
+                terminalreporter.write_line(line)
 
     def _teardown_local_state(
         self, item: pytest.Item, nextitem: pytest.Item | None
@@ -289,6 +350,8 @@ class Controller:
                         ]
                     deadline = time.monotonic() + timeout + KILL_GRACE_S
                     started = True
+                elif kind == "warnings":
+                    warnings_relay.record(item, event["warnings"])
                 elif kind == "report":
                     reports.append(_report_from_event(self.config, event["report"]))
                 elif kind == "finish":
@@ -413,6 +476,47 @@ def _abnormal_exits(rank_set: RankSet) -> str:
     if _TESTS_FAILED in codes and codes <= {_TESTS_FAILED, _STOPPED_BY_TORCHRUN}:
         return ""
     return described
+
+
+def _note_attempts(
+    reports: list[pytest.TestReport], failures: list[tuple[str, pytest.TestReport]], attempts: int
+) -> None:
+    """The last attempt's reports say how many attempts it took; the earlier failures become
+    sections of its failing report (or of its call report when it passed)."""
+    final = next((r for r in reports if r.failed), None)
+    if final is None:
+        final = next((r for r in reports if r.when == "call"), reports[-1])
+    for number, (rank_set, failed) in enumerate(failures, 1):
+        final.sections.append(
+            (
+                f"megatron-fsdp: attempt {number} of {attempts} failed ({failed.when}; rank set {rank_set})",
+                failed.longreprtext,
+            )
+        )
+    for report in reports:
+        report.mfsdp_attempts = len(failures) + 1
+        report.mfsdp_max_attempts = attempts
+
+
+def rerun_summary(reports: list[Any]) -> list[str]:
+    """One line per test that was rerun: flaky (passed on a rerun) or failed on every attempt."""
+    outcome: dict[str, tuple[bool, int, int]] = {}
+    for report in reports:
+        attempts = getattr(report, "mfsdp_attempts", None)
+        if not isinstance(report, pytest.TestReport) or attempts is None:
+            continue
+        failed = report.failed or outcome.get(report.nodeid, (False, 0, 0))[0]
+        outcome[report.nodeid] = (failed, attempts, report.mfsdp_max_attempts)
+    lines = []
+    for nodeid, (failed, attempts, max_attempts) in outcome.items():
+        if failed:
+            lines.append(f"FAILED {nodeid}: failed all {attempts} attempts, each in a fresh rank set")
+        else:
+            lines.append(
+                f"FLAKY {nodeid}: passed on attempt {attempts} of {max_attempts}, in a fresh rank set; "
+                "the earlier failures are sections of its report (-rP shows them)"
+            )
+    return lines
 
 
 def _report_from_event(config: pytest.Config, data: dict[str, Any]) -> pytest.TestReport:

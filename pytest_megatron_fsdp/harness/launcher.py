@@ -47,7 +47,9 @@ class RankSet:
     given the batch with :meth:`assign`; until then nothing runs in it but that import.
     """
 
-    def __init__(self, world_size: int, log_dir: Path, cwd: Path) -> None:
+    def __init__(self, world_size: int, log_dir: Path, cwd: Path, env: dict[str, str] | None = None) -> None:
+        """``env``: variables set for torchrun and its ranks on top of this process's (e.g. a
+        pytest-xdist worker's ``CUDA_VISIBLE_DEVICES`` slice)."""
         self.world_size = world_size
         #: (node id, timeout seconds) of each test, in order (set by assign())
         self.tests: list[tuple[str, float]] = []
@@ -74,7 +76,9 @@ class RankSet:
             str(log_dir),
             str(os.getpid()),
         ]
+        overrides = env or {}
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+        env.update(overrides)
         env["PYTHONUNBUFFERED"] = "1"
         # torchrun's own temp dirs (torchelastic_*) and the ranks' temp files land in the batch's
         # working dir, so a killed rank set leaves nothing behind once close() removes it.

@@ -5,8 +5,9 @@
 * the batch file lists the tests to run, in order, one ``<timeout seconds>\\t<node id>`` per line:
   the parent resolved each test's timeout once, and the ranks use that figure;
 * rank 0 appends events to the events file, one JSON object per line: ``collected`` (node ids),
-  ``start`` (node id), ``report`` (a pytest report, serialised by pytest's own hook; per-test data
-  such as training-run records rides on it), ``finish`` (node id);
+  ``start`` (node id), ``warnings`` (node id, every rank's warnings of the test, merged: see
+  :mod:`.warnings_relay`), ``report`` (a pytest report, serialised by pytest's own hook; per-test
+  data such as training-run records rides on it), ``finish`` (node id);
 * a rank ended by its watchdog writes :data:`TIMEOUT_BANNER` into its log and exits with
   :data:`TIMEOUT_EXIT_CODE`.
 

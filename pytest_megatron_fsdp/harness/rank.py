@@ -24,14 +24,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 from _pytest.runner import runtestprotocol
 
-from . import flight_recorder
+from . import flight_recorder, warnings_relay
 from .agreement import merge_reports, summarise
 from .protocol import (
     BATCH_FILE_DEST,
@@ -82,6 +82,10 @@ class RankPlugin:
         self._distributed_logs = distributed_logs
         #: torchrun mode: this rank's own temp tree, removed at unconfigure (or by the watchdog)
         self._private_temp = private_temp
+        #: a launched rank set sends its tests' warnings to the parent (unless -p no:warnings)
+        self._relay_warnings = self.launched and warnings_relay.active(config)
+        #: the current test's warnings, every rank's merged (set by _exchange_outcomes)
+        self._test_warnings: list[dict[str, Any]] = []
 
     def pytest_configure(self, config: pytest.Config) -> None:
         # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
@@ -216,9 +220,14 @@ class RankPlugin:
         self._event("start", nodeid=item.nodeid)
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
-            reports = runtestprotocol(item, nextitem=nextitem, log=False)
-            self._check_after_test(item, reports, rank_session)
-            merged = self._exchange_outcomes(item, index, reports, rank_session, deadline)
+            with warnings_relay.capture() if self._relay_warnings else nullcontext([]) as caught:
+                reports = runtestprotocol(item, nextitem=nextitem, log=False)
+                self._check_after_test(item, reports, rank_session)
+            merged = self._exchange_outcomes(
+                item, index, reports, rank_session, deadline, warnings_relay.to_data(caught)
+            )
+        if self._test_warnings:
+            self._event("warnings", nodeid=item.nodeid, warnings=self._test_warnings)
         for report in merged:
             item.ihook.pytest_runtest_logreport(report=report)
             self._event(
@@ -411,19 +420,24 @@ class RankPlugin:
         reports: list[pytest.TestReport],
         rank_session: RankSession,
         deadline: float,
+        warnings_data: list[dict[str, Any]] | None = None,
     ) -> list[pytest.TestReport]:
-        """Exchange every rank's phase outcomes through the store; return the agreed reports."""
+        """Exchange every rank's phase outcomes (and warnings) through the store; return the agreed
+        reports (the warnings, merged, go to ``self._test_warnings``)."""
         store = rank_session.store
         mine = {r.when: summarise(r) for r in reports}
         released, self._released = self._released, False
         store.set(
             f"test/{index}/{self.rank}",
-            json.dumps({"nodeid": item.nodeid, "phases": mine, "released": released}),
+            json.dumps(
+                {"nodeid": item.nodeid, "phases": mine, "released": released, "warnings": warnings_data or []}
+            ),
         )
         keys = [f"test/{index}/{r}" for r in range(self.torchrun.world_size)]
         # Bounded by the test's own deadline; past it the watchdog ends this rank anyway.
         store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5))
         per_rank: dict[int, dict[str, Any]] = {}
+        per_rank_warnings: dict[int, list[dict[str, Any]]] = {}
         renew = False
         for rank in range(self.torchrun.world_size):
             data = json.loads(store.get(keys[rank]))
@@ -432,7 +446,9 @@ class RankPlugin:
                     f"rank {rank} ran {data['nodeid']!r} while rank {self.rank} ran {item.nodeid!r}"
                 )
             per_rank[rank] = data["phases"]
+            per_rank_warnings[rank] = data.get("warnings", [])
             renew |= data["released"]
+        self._test_warnings = warnings_relay.merge(per_rank_warnings)
         if renew:
             rank_session.renew()  # every rank decides alike: all saw the same flags
             self._log(f"process group rebuilt after {item.nodeid} (generation {rank_session.generation})")

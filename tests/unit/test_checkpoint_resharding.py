@@ -138,7 +138,9 @@ def test_a_checkpoint_loads_at_any_world_size(pytester, monkeypatch):
     ]:
         path = pytester.makepyfile(**{name: source})
         result = pytester.runpytest_subprocess(str(path), *args, timeout=420)
-        assert result.parseoutcomes() == outcomes, result.stdout.str()[-6000:]
+        # the ranks' warnings (megatron-core's deprecations) are counted in the summary line too
+        counts = {k: v for k, v in result.parseoutcomes().items() if k not in ("warning", "warnings")}
+        assert counts == outcomes, result.stdout.str()[-6000:]
     # What each world size saved: one shard per rank, at any world size.
     for source, ranks in [("from2", 2), ("from4", 4)]:
         iteration = json.loads((root / f"{source}.json").read_text())["iteration"]
