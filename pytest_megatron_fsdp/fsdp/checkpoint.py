@@ -345,9 +345,8 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
             # Anything else came from this rank alone, inside a sequence of collectives (the
             # handlers', the uneven-DTensor pass, DCP's): the peers may wait in one of them, and
             # an outcome exchange now would meet them in the wrong collective. Fail here; the
-            # harness releases the peers.
-            if rank0:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
+            # harness releases the peers. The temp directory stays (a peer may still be writing
+            # into it): never loadable, and removed by the next completed save.
             raise CheckpointError(
                 f"saving iteration {iteration} to {root} failed (previous checkpoint kept): rank "
                 f"{run.env.rank} failed while the ranks were writing it: {_describe(exc)}"
