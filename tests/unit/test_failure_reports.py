@@ -6,6 +6,7 @@ Plain-pytest sessions (the plugin launches the rank sets), checked from the outs
 import pytest
 
 FAILING = """
+import logging
 import time
 
 import pytest
@@ -23,6 +24,7 @@ def test_checkpoint_then_rank1_fails(megatron_fsdp_run, run_config, checkpoint_d
     run.train(1)
     save_checkpoint(run, checkpoint_dir)
     load_checkpoint(run, checkpoint_dir)
+    logging.getLogger("user").warning("the user's own log line")
     assert dist_env.rank == 0, "rank 1 disagrees after the checkpoint"
 
 
@@ -105,6 +107,7 @@ def test_each_failure_is_reported_once_and_without_torch_distributed_noise(sessi
     checkpoint_report = out[out.index("test_checkpoint_then_rank1_fails _") :]
     checkpoint_report = checkpoint_report[: checkpoint_report.index("\n___")]
     assert "Captured log call" in checkpoint_report
+    assert "the user's own log line" in checkpoint_report
     assert DCP_EVENT not in out
     # Both ranks released the group themselves before the teardown: checkpoint_dir skips its
     # barrier on its own, nothing to report.
