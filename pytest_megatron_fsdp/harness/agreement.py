@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprFileLocation, ReprTraceback
 
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
 
@@ -76,10 +77,13 @@ def merge_reports(
             if rank != my_rank:
                 report.sections.extend((f"{title} (rank {rank})", text) for title, text in p["sections"])
         if worst == "failed":
-            report.longrepr = failure_text(
-                {r: p.get("text", "") for r, p in phase.items() if p["outcome"] == "failed"},
-                sorted(r for r, p in phase.items() if p["outcome"] != "failed"),
-                log_dir,
+            report.longrepr = headlined_failure(
+                item,
+                failure_text(
+                    {r: p.get("text", "") for r, p in phase.items() if p["outcome"] == "failed"},
+                    sorted(r for r, p in phase.items() if p["outcome"] != "failed"),
+                    log_dir,
+                ),
             )
         elif worst == "skipped" and base is not None and hasattr(base, "wasxfail"):
             # an expected failure (xfail) is reported as pytest reports it: the reason in
@@ -107,6 +111,21 @@ def merge_reports(
                 report.longrepr = (str(item.path), (lineno or 0) + 1, reason)
         merged.append(report)
     return merged
+
+
+def headlined_failure(item: pytest.Item, text: str) -> ExceptionChainRepr:
+    """A failure report of several lines whose headline (its first line) is what summaries show.
+
+    pytest's short summary appends a report's crash message; a plain-string report is appended
+    whole where pytest runs verbosely (``-vv``, or ``CI`` set, as on every CI service), which would
+    print every rank's traceback a second time. ``--tb=line`` and JUnit's ``message`` use the
+    headline too. A native-style entry keeps the text as it is, and pytest serialises it (xdist,
+    the rank-to-parent events) like any traceback.
+    """
+    path, lineno, _ = item.location
+    headline = ReprFileLocation(str(path), (lineno or 0) + 1, text.split("\n", 1)[0])
+    body = ReprTraceback([ReprEntryNative([text.rstrip("\n") + "\n"])], None, "native")
+    return ExceptionChainRepr([(body, headline, None)])
 
 
 def failure_text(failures: dict[int, str], passing: list[int], log_dir: Path) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from . import flight_recorder, warnings_relay
+from .agreement import headlined_failure
 from .launcher import RankSet, describe_exit
 from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, log_dir, spec_of
 
@@ -444,7 +445,7 @@ class Controller:
             location=item.location,
             keywords={k: 1 for k in item.keywords},
             outcome="failed",
-            longrepr=reason,
+            longrepr=headlined_failure(item, reason),
             when=when,
             sections=[],
             duration=0.0,

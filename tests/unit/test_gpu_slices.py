@@ -108,12 +108,13 @@ def test_too_few_gpus_for_the_workers_is_one_usage_line(pytester, monkeypatch):
     pytester.makepyfile(TESTS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "5", timeout=120)
     assert result.ret != 0
-    text = result.stdout.str() + result.stderr.str()
+    lines = result.stdout.lines + result.stderr.lines
     line = (
         "-n 5 workers x world_size=2 need 10 GPUs, 8 visible (all devices); use -n 4 or fewer, "
         "or --mfsdp-platform=cpu"
     )
-    assert text.count(line) == 1, text  # said once, not once per worker
+    # said once, not once per worker (pytest's summary may repeat it after "ERROR  - ")
+    assert lines.count(line) == 1, "\n".join(lines)
     result.stdout.fnmatch_lines(["5 workers [[]0 items[]]", "*= 1 error in *"])
     # no worker got GPUs, so none launched anything
     assert {p.read_text() for p in pytester.path.glob("slice-*.txt")} == {"None"}

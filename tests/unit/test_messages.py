@@ -106,7 +106,9 @@ def test_fine():
 """
 
 
-def test_a_failing_batch_reads_at_a_glance(pytester):
+def test_a_failing_batch_reads_at_a_glance(pytester, monkeypatch):
+    # as on a CI service, where pytest's short summary prints each failure's message untrimmed
+    monkeypatch.setenv("CI", "true")
     pytester.makepyfile(test_failures=FAILURES)
     result = pytester.runpytest_subprocess(
         "-q", "--mfsdp-platform=cpu", "--mfsdp-log-dir=logs", "-p", "no:cacheprovider", timeout=300
@@ -120,10 +122,17 @@ def test_a_failing_batch_reads_at_a_glance(pytester):
     assert same.count("AssertionError: every rank sees 2 ranks") == 1
     assert "(logs: logs/batch1-world2/rank0.log, logs/batch1-world2/rank1.log)" in same
 
-    differs = out[out.index("_ test_differs_per_rank _") :]
+    differs = out[out.index("_ test_differs_per_rank _") : out.index(" short test summary info ")]
     assert "failed on ranks 0, 1\n" in differs and "(same error)" not in differs
     assert "RuntimeError: rank 0 has its own reason" in differs
     assert "RuntimeError: rank 1 has its own reason" in differs
+
+    # the short summary: one line per failure, its headline (not every rank's traceback again)
+    summary = out[out.index(" short test summary info ") :].splitlines()[1:-1]
+    assert summary == [
+        "FAILED test_failures.py::test_same_everywhere - failed on ranks 0, 1 (same error)",
+        "FAILED test_failures.py::test_differs_per_rank - failed on ranks 0, 1",
+    ], out
 
     # the emulation's device warning is not in the report (nor in the ranks' logs)
     assert "instead of the current device" not in out
