@@ -70,7 +70,8 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
 
 
 def forget_dtensor_shardings() -> None:
-    """Empty DTensor's sharding-propagation cache (this thread's), once the groups it names are gone.
+    """Empty DTensor's sharding-propagation caches (this thread's): after every test and whenever the
+    process group is rebuilt, so that no spec outlives the test whose meshes it names.
 
     The cache keys on DTensor specs, and a ``DeviceMesh`` compares equal to another of the same
     shape, dimension names and device whatever its process groups are; a hit returns the spec the

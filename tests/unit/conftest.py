@@ -1,18 +1,54 @@
-"""Every unit test starts from a plain environment: not a torchrun rank, no MFSDP_* settings.
+"""Every unit test starts from a plain environment: not a torchrun rank, no MFSDP_* settings, not CI.
 
 The tests launch pytest and torchrun themselves; a torchrun variable or an MFSDP_* option
-inherited from the caller's shell would change what those sessions do.
+inherited from the caller's shell would change what those sessions do, and ``CI`` or
+``BUILD_NUMBER`` (set by CI services) makes pytest print its short summary untrimmed: the
+sessions print the same on a laptop and on CI, and a test that is about CI output sets ``CI``.
 """
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PYTEST_CI_VARS = ("CI", "BUILD_NUMBER")
 
 
 @pytest.fixture(autouse=True)
 def plain_environment(monkeypatch):
     for name in list(os.environ):
-        if name in TORCHRUN_VARS or name.startswith("MFSDP_"):
+        if name in TORCHRUN_VARS or name in PYTEST_CI_VARS or name.startswith("MFSDP_"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def isolated_tmp(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``$TMPDIR`` of the test's own for the sessions it launches: what they leave there is seen."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
+
+
+@pytest.fixture
+def leftover_processes(pytester: pytest.Pytester) -> Callable[[], list[str]]:
+    """Lists the processes still running whose command line names the test's directory: the
+    torchrun agents and ranks of the sessions it launched (``pid: command line`` each)."""
+
+    def running() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if int(pid) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue  # it ended meanwhile
+            if str(pytester.path) in cmdline:
+                found.append(f"{pid}: {cmdline}")
+        return found
+
+    return running

@@ -5,8 +5,6 @@ makes rank 1 kill itself half-way through writing its shard of iteration 3, and 
 in the fresh rank set the plugin starts after a death.
 """
 
-import pytest
-
 KILLED = """
 import os
 from pathlib import Path
@@ -66,14 +64,13 @@ def test_a_fresh_rank_set_loads_the_previous_checkpoint_exactly(megatron_fsdp_ru
 """
 
 
-def test_a_save_killed_mid_write_never_loads_and_the_previous_one_does(pytester, monkeypatch):
+def test_a_save_killed_mid_write_never_loads_and_the_previous_one_does(
+    pytester, monkeypatch, isolated_tmp, leftover_processes
+):
     root = pytester.path / "killed"
     root.mkdir()
     monkeypatch.setenv("KILLED_ROOT", str(root))
     monkeypatch.setenv("MFSDP_TEST_KILL_DURING_SAVE", "1@3")  # rank 1, at iteration 3
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
     pytester.makepyfile(test_killed=KILLED)
     result = pytester.runpytest_subprocess("--mfsdp-platform=cpu", "-rA", timeout=300)
     out = result.stdout.str()
@@ -84,21 +81,5 @@ def test_a_save_killed_mid_write_never_loads_and_the_previous_one_does(pytester,
     result.stdout.fnmatch_lines(
         ["PASSED test_killed.py::test_a_fresh_rank_set_loads_the_previous_checkpoint_exactly"]
     )
-    assert sorted(p.name for p in tmp.iterdir()) == []
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_processes(pytester):
-    yield
-    import os
-
-    mine = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if str(pytester.path).encode() in f.read():
-                        mine.append(pid)
-            except OSError:
-                continue
-    assert mine == []
+    assert leftover_processes() == []
+    assert sorted(p.name for p in isolated_tmp.iterdir()) == []

@@ -9,8 +9,6 @@ it is sharded), then trains on.
 
 import json
 
-import pytest
-
 COMMON = """
 import json
 import math
@@ -123,13 +121,10 @@ def test_load_2_at_1(megatron_fsdp_run, run_config):
 )
 
 
-def test_a_checkpoint_loads_at_any_world_size(pytester, monkeypatch):
+def test_a_checkpoint_loads_at_any_world_size(pytester, monkeypatch, isolated_tmp, leftover_processes):
     root = pytester.path / "checkpoints"
     root.mkdir()
     monkeypatch.setenv("RESHARD_ROOT", str(root))
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
     args = ("--mfsdp-platform=cpu", "-rA")
     for name, source, outcomes in [
         ("test_save_at_2", SAVE_AT_2, {"passed": 1}),
@@ -146,21 +141,5 @@ def test_a_checkpoint_loads_at_any_world_size(pytester, monkeypatch):
         iteration = json.loads((root / f"{source}.json").read_text())["iteration"]
         shards = sorted(p.name for p in (root / source / f"iter_{iteration:07d}").glob("*.distcp"))
         assert shards == [f"__{r}_0.distcp" for r in range(ranks)]
-    assert sorted(p.name for p in tmp.iterdir()) == []
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_processes(pytester):
-    yield
-    import os
-
-    mine = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if str(pytester.path).encode() in f.read():
-                        mine.append(pid)
-            except OSError:
-                continue
-    assert mine == []
+    assert leftover_processes() == []
+    assert sorted(p.name for p in isolated_tmp.iterdir()) == []

@@ -5,7 +5,6 @@ torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every process group (ProcessGroupWr
 collective the ranks compare op, shapes and dtypes through a helper gloo group.
 """
 
-import os
 import sys
 import time
 
@@ -48,21 +47,6 @@ def pytest_runtest_logreport(report):
 """
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
-
-
 def _assert_each_rank_names_the_mismatch(out: str) -> None:
     report = out[out.index("_ test_mismatched_collectives _") :]
     assert "failed on ranks 0, 1" in report, out
@@ -74,10 +58,9 @@ def _assert_each_rank_names_the_mismatch(out: str) -> None:
     assert "OpType=BROADCAST, TensorShape=[3]" in rank0 and "OpType=ALLREDUCE, TensorShape=[5]" in rank0, out
 
 
-def test_mismatched_collectives_fail_at_once_on_every_rank(pytester, monkeypatch):
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
+def test_mismatched_collectives_fail_at_once_on_every_rank(
+    pytester, monkeypatch, leftover_processes, isolated_tmp
+):
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     pytester.makepyfile(test_mismatch=MISMATCH)
     pytester.makeconftest(REPORT_TIME_CONFTEST)
@@ -90,16 +73,13 @@ def test_mismatched_collectives_fail_at_once_on_every_rank(pytester, monkeypatch
     entered = float((pytester.path / "entered_at.txt").read_text())
     reported = float((pytester.path / "reported_at.txt").read_text())
     assert reported - entered <= REPORT_BOUND_S, (reported - entered, out)
-    assert _processes_mentioning(str(pytester.path)) == []
-    assert list(tmp.iterdir()) == []
+    assert leftover_processes() == []
+    assert list(isolated_tmp.iterdir()) == []
 
 
-def test_torchrun_mode_too(pytester, monkeypatch):
+def test_torchrun_mode_too(pytester, monkeypatch, leftover_processes, isolated_tmp):
     """The user's own torchrun: the option (here from the environment) takes effect in each rank's
     pytest before any conftest or test module runs."""
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     monkeypatch.setenv("MFSDP_DEBUG_COLLECTIVES", "true")
     pytester.makepyfile(test_mismatch=MISMATCH)
@@ -124,5 +104,5 @@ def test_torchrun_mode_too(pytester, monkeypatch):
     # exit): far below the test's 60 s timeout, which it would otherwise have waited out
     entered = float((pytester.path / "entered_at.txt").read_text())
     assert time.time() - entered < TEST_TIMEOUT_S / 2, out
-    assert _processes_mentioning(str(pytester.path)) == []
-    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
+    assert leftover_processes() == []
+    assert [p.name for p in isolated_tmp.iterdir() if not p.name.startswith("torchelastic_")] == []

@@ -76,10 +76,7 @@ DCP_EVENT = "c10d-NullHandler-dcp_logger"
 
 
 @pytest.fixture
-def session(pytester, monkeypatch):
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
+def session(pytester, isolated_tmp):
     pytester.makepyfile(test_failing=FAILING)
     return pytester
 

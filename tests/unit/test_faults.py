@@ -5,12 +5,10 @@ healthy test after them; then the process table and the temp dir are checked for
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
-
-import pytest
+import xml.etree.ElementTree as ET
 
 HANG_TIMEOUT_S = 6
 
@@ -112,30 +110,10 @@ def pytest_sessionfinish(session):
 """
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
-
-
-@pytest.fixture
-def isolated_tmp(pytester, monkeypatch):
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
-    return tmp
-
-
-def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isolated_tmp):
+def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
+    pytester, monkeypatch, isolated_tmp, leftover_processes
+):
+    monkeypatch.setenv("CI", "true")  # pytest's short summary then prints each message untrimmed
     pytester.makepyfile(test_faults=FAULTS)
     pytester.makeconftest(TIMING_CONFTEST)
     started = time.monotonic()
@@ -171,17 +149,32 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(pytester, isola
     assert all(t < 60 for t in times.values()), times
     assert wall < 240, wall
 
+    # The short summary and JUnit's message say each failure in its report's headline, one line.
+    summary = out[out.index(" short test summary info ") :].splitlines()
+    headlines = {
+        "test_rank1_raises": "failed on rank 1 (passed on 0)",
+        "test_rank1_exits": "rank 1 died (exit code 3)",
+        "test_rank1_is_sigkilled": "rank 1 died (signal SIGKILL)",
+        "test_rank1_hangs": f"timed out: the test exceeded its {HANG_TIMEOUT_S} s timeout; every rank's "
+        "stacks were dumped and the rank set was killed",
+    }
+    for name, headline in headlines.items():
+        assert f"FAILED test_faults.py::{name} - {headline}" in summary, summary
+    cases = ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")
+    messages = {c.get("name"): f.get("message") for c in cases for f in c.iter("failure")}
+    assert {name: messages[name] for name in headlines} == headlines
+
     # JUnit XML sees the same node ids and outcomes.
     junit = (pytester.path / "junit.xml").read_text()
     result.stdout.fnmatch_lines(["XFAIL*test_expected_failure_stays_an_xfail*known upstream bug*"])
     assert junit.count("<testcase") == 11 and 'name="test_rank1_exits"' in junit
 
     # Nothing left running, nothing left in the temp dir.
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
     assert sorted(p.name for p in isolated_tmp.iterdir()) == [], list(isolated_tmp.iterdir())
 
 
-def test_ranks_must_collect_the_same_tests(pytester, isolated_tmp):
+def test_ranks_must_collect_the_same_tests(pytester, isolated_tmp, leftover_processes):
     pytester.makepyfile(
         test_two="""
 import pytest
@@ -223,7 +216,7 @@ def test_b(dist_env): pass
         == 2
     ), text  # said by both ranks
     assert "PASSED" not in text and " passed" not in text
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
 
 
 def test_torchrun_mode_agrees_on_outcomes_and_only_rank0_prints(pytester, isolated_tmp):
@@ -262,7 +255,7 @@ def test_fine(dist_env):
     assert str(log) in text  # and the report points at it
 
 
-def test_a_hang_report_names_who_is_missing_from_which_collective(pytester, isolated_tmp):
+def test_a_hang_report_names_who_is_missing_from_which_collective(pytester, isolated_tmp, leftover_processes):
     """The c10d flight recorder, aligned across ranks: the timeout report says which rank never
     entered the collective another waits in, and which collectives differ across ranks."""
     pytester.makepyfile(
@@ -306,15 +299,14 @@ def test_ranks_disagree_on_the_collective(dist_env):
         "collective #1 in default_pg differs across ranks: rank 0 broadcast [[3]], rank 1 all_reduce [[5]]"
         in disagree
     )
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
 
 
-def test_sigterm_mid_test_kills_the_ranks_and_writes_junit(pytester, isolated_tmp):
+def test_sigterm_mid_test_kills_the_ranks_and_writes_junit(pytester, isolated_tmp, leftover_processes):
     """A CI cancel: SIGTERM to the plain pytest session while a distributed test runs. The ranks
     and torchrun are killed, the running test fails as interrupted, the finished one keeps its
     result, and the JUnit XML is written; pytest exits non-zero."""
     import signal
-    import xml.etree.ElementTree as ET
 
     pytester.makepyfile(
         test_cancel="""
@@ -363,7 +355,7 @@ def test_long(dist_env):
     out = proc.communicate(timeout=60)[0]
     assert time.monotonic() - started < 30, out
     assert proc.returncode != 0, out
-    assert _processes_mentioning(str(pytester.path)) == [], out
+    assert leftover_processes() == [], out
     suite = ET.parse(pytester.path / "junit.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite[0]
     cases = {case.get("name"): case for case in suite.iter("testcase")}

@@ -7,7 +7,6 @@ into the next iteration and waits in Megatron-FSDP's coalesced parameter all-gat
 Megatron creates with its own 30-minute timeout.
 """
 
-import os
 import time
 
 PG_TIMEOUT_S = 5
@@ -65,27 +64,9 @@ def pytest_runtest_logreport(report):
 """
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
-
-
 def test_a_rank_failing_while_its_peer_waits_in_megatron_fsdp_collectives_is_reported_in_time(
-    pytester, monkeypatch
+    pytester, leftover_processes, isolated_tmp
 ):
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
     pytester.makepyfile(test_boom=BOOM)
     pytester.makeconftest(REPORT_TIME_CONFTEST)
     logs = pytester.path / "logs"
@@ -131,5 +112,5 @@ def test_a_rank_failing_while_its_peer_waits_in_megatron_fsdp_collectives_is_rep
     # a rank-set start-up (~10-30 s here), two model builds and the bound twice, with room for a
     # loaded machine
     assert wall < 150, wall
-    assert _processes_mentioning(str(pytester.path)) == []
-    assert list(tmp.iterdir()) == []
+    assert leftover_processes() == []
+    assert list(isolated_tmp.iterdir()) == []

@@ -134,7 +134,7 @@ def test_cuda_platform_without_gpus_is_an_error_not_a_fallback(pytester, monkeyp
     )
 
 
-def test_dist_env_without_marker_fails_with_instructions(pytester, monkeypatch):
+def test_dist_env_without_marker_fails_with_instructions(pytester):
     pytester.makepyfile("def test_x(dist_env): pass")
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(errors=1)

@@ -1,6 +1,5 @@
 """--mfsdp-reruns: a failed distributed test is rerun, each attempt in a fresh rank set."""
 
-import os
 import sys
 
 import pytest
@@ -37,23 +36,8 @@ def _attempt_pids(root, name):
     return {rank: (root / f"attempts-{name}-rank{rank}.txt").read_text().split() for rank in (0, 1)}
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
-
-
 @pytest.mark.parametrize("given", ["flag", "environment"])
-def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(pytester, monkeypatch, given):
+def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(pytester, monkeypatch, given, leftover_processes):
     pytester.makepyfile(test_reruns=RERUN_TESTS.format(root=str(pytester.path)))
     if given == "environment":
         monkeypatch.setenv("MFSDP_RERUNS", "2")  # the launched ranks inherit it, and must not refuse it
@@ -80,10 +64,10 @@ def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(pytester, monkeypatc
     pids = _attempt_pids(pytester.path, "flaky")
     assert [len(p) for p in pids.values()] == [2, 2]
     assert len(set(pids[0] + pids[1])) == 4, pids  # every attempt in new processes
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
 
 
-def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(pytester):
+def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(pytester, leftover_processes):
     pytester.makepyfile(test_reruns=RERUN_TESTS.format(root=str(pytester.path)))
     result = pytester.runpytest_subprocess(
         "-p",
@@ -107,7 +91,7 @@ def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(p
     # the final failure carries the earlier two as sections
     assert "attempt 3 fails too" in out
     assert "megatron-fsdp: attempt 1 of 3 failed" in out and "megatron-fsdp: attempt 2 of 3 failed" in out
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
 
 
 @pytest.mark.parametrize(
@@ -139,7 +123,7 @@ def test_a_bad_marker_reruns_is_one_line(pytester):
     assert "reruns=True must be a whole number, 0 or more" in result.stderr.str()
 
 
-def test_torchrun_mode_refuses_reruns_in_one_line(pytester, monkeypatch):
+def test_torchrun_mode_refuses_reruns_in_one_line(pytester):
     pytester.makepyfile("import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_x(dist_env): pass\n")
     torchrun = [
         sys.executable,
@@ -169,7 +153,7 @@ def test_torchrun_mode_refuses_reruns_in_one_line(pytester, monkeypatch):
     assert "1 passed" in result.stdout.str()
 
 
-def test_under_xdist_the_rerun_shows_in_the_controllers_summary(pytester):
+def test_under_xdist_the_rerun_shows_in_the_controllers_summary(pytester, leftover_processes):
     pytester.makepyfile(test_reruns=RERUN_TESTS.format(root=str(pytester.path)))
     result = pytester.runpytest_subprocess(
         "-p",
@@ -185,4 +169,4 @@ def test_under_xdist_the_rerun_shows_in_the_controllers_summary(pytester):
     result.stdout.fnmatch_lines(["FLAKY test_reruns.py::test_flaky: passed on attempt 2 of 2, in a fresh*"])
     pids = _attempt_pids(pytester.path, "flaky")
     assert len(set(pids[0] + pids[1])) == 4, pids
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []

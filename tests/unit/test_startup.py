@@ -69,30 +69,7 @@ def test_plain():
 """
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
-
-
-@pytest.fixture
-def isolated_tmp(pytester, monkeypatch):
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
-    return tmp
-
-
-def test_the_rank_set_is_launched_while_the_parent_still_collects(pytester, isolated_tmp):
+def test_the_rank_set_is_launched_while_the_parent_still_collects(pytester, isolated_tmp, leftover_processes):
     pytester.makeconftest(RECORDING_CONFTEST)
     pytester.makepyfile(test_a_distributed=DISTRIBUTED, test_b_plain=PLAIN)
     result = pytester.runpytest_subprocess("--mfsdp-platform=cpu", timeout=300)
@@ -101,12 +78,14 @@ def test_the_rank_set_is_launched_while_the_parent_still_collects(pytester, isol
     launched = [c for c in parent["children"] if "torch.distributed.run" in c]
     assert len(launched) == 1, parent["children"]
     assert "--nproc_per_node=2" in launched[0] and "pytest_megatron_fsdp.harness.rank_entry" in launched[0]
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
     assert list(isolated_tmp.iterdir()) == []
 
 
 @pytest.mark.parametrize("how", [["-k", "plain"], ["--collect-only"]])
-def test_a_rank_set_no_test_needs_is_reaped_or_never_launched(pytester, isolated_tmp, how):
+def test_a_rank_set_no_test_needs_is_reaped_or_never_launched(
+    pytester, isolated_tmp, how, leftover_processes
+):
     pytester.makeconftest(RECORDING_CONFTEST)
     pytester.makepyfile(test_a_distributed=DISTRIBUTED, test_b_plain=PLAIN)
     started = time.monotonic()
@@ -124,7 +103,7 @@ def test_a_rank_set_no_test_needs_is_reaped_or_never_launched(pytester, isolated
         assert not launched, children  # --collect-only runs nothing: no rank set at all
     assert result.ret == 0
     assert elapsed < 60, elapsed  # not waiting for ranks that have nothing to run
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
     assert list(isolated_tmp.iterdir()) == []
 
 
@@ -215,9 +194,11 @@ def test_b_distributed(dist_env):
 """
 
 
-def test_a_prestarted_rank_set_waits_for_the_session_to_reach_its_tests(pytester, isolated_tmp):
+def test_a_prestarted_rank_set_waits_for_the_session_to_reach_its_tests(
+    pytester, isolated_tmp, leftover_processes
+):
     pytester.makeconftest(ORDER_CONFTEST)
     pytester.makepyfile(test_order=PLAIN_FIRST)
     result = pytester.runpytest_subprocess("--mfsdp-platform=cpu", timeout=300)
     result.assert_outcomes(passed=2)
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []

@@ -1,7 +1,6 @@
 """Under the user's own torchrun, a timed-out test's output says who is stuck where, as the
 plain-mode report does: rank 0 aligns every rank's c10d flight record before the ranks end."""
 
-import os
 import sys
 import time
 
@@ -22,25 +21,7 @@ def test_rank1_skips_the_broadcast(dist_env):
 """
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{pid}: {cmdline}")
-    return found
-
-
-def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, monkeypatch):
-    tmp = pytester.path / "tmp"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
+def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, leftover_processes, isolated_tmp):
     pytester.makepyfile(test_stuck=STUCK)
     logs = pytester.path / "logs"
     # an earlier session's records in the same log dir must not be taken for this one's
@@ -74,6 +55,6 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, monk
     assert "timeout on rank 0" in text and "timeout on rank 1" in text, text
     assert "collectives (c10d flight recorder" in (logs / "torchrun" / "rank0.log").read_text()
     assert time.monotonic() - started < HANG_TIMEOUT_S + 60, text  # start-up, timeout, dumps
-    assert _processes_mentioning(str(pytester.path)) == []
+    assert leftover_processes() == []
     # the ranks ended by their watchdogs removed their private temp trees; torchrun's own stays
-    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
+    assert [p.name for p in isolated_tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
