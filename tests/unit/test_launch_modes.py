@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -229,10 +230,27 @@ def test_dist(dist_env):
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _tests_whose_rank_died_of_a_signal(logs: Path) -> set[str]:
+    """The test each rank log was running when faulthandler reported a fatal signal."""
+    crashed = set()
+    for log in logs.glob("*/rank*.log"):
+        text = log.read_text(errors="replace")
+        fatal = text.find("Fatal Python error: ")
+        started = re.findall(r" START (.+) \(timeout ", text[: max(fatal, 0)])
+        if fatal >= 0 and started:
+            crashed.add(started[-1])
+    return crashed
+
+
 def test_the_functional_suite_under_xdist_runs_like_without_it(tmp_path):
     """``pytest -n 2`` on the real checkpoint and strategy files: every test passes or is a strict
     xfail, as without ``-n`` (nothing fails, nothing errors, nothing is lost); each worker's rank
-    sets log apart; nothing is left running."""
+    sets log apart; nothing is left running.
+
+    One rerun is allowed, and only for a rank that died of a fatal signal: with torch 2.14.1's gloo
+    on this 2-core machine, two rank sets training Megatron-FSDP at once lose a rank to heap
+    corruption in about one run in four (SIGSEGV or SIGABRT in a gloo worker thread; see the
+    README). A rerun for any other reason, or a second crash, still fails this test."""
     files = ["tests/functional/test_checkpoint.py", "tests/functional/test_strategies.py"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSDP_")}
     env["TMPDIR"] = str(tmp_path)
@@ -262,6 +280,7 @@ def test_the_functional_suite_under_xdist_runs_like_without_it(tmp_path):
             f"--junitxml={junit}",
             f"--mfsdp-log-dir={logs}",
             "--mfsdp-platform=cpu",
+            "--mfsdp-reruns=1",
         ],
         cwd=REPO,
         env=env,
@@ -281,6 +300,11 @@ def test_the_functional_suite_under_xdist_runs_like_without_it(tmp_path):
     ]
     assert failed == [], "\n\n".join(failed)[-20000:]  # each failure's whole report, rank logs included
     assert run.returncode == 0, out[-3000:]
+    rerun = set(re.findall(r"^FLAKY (.+): passed on attempt", out, re.MULTILINE))
+    crashed = _tests_whose_rank_died_of_a_signal(logs)
+    assert rerun <= crashed, (rerun, crashed)  # rerun only after a native crash
+    if rerun:
+        print(f"rerun after a rank crashed: {sorted(rerun)}")
     workers = {p.name.split("-", 1)[0] for p in logs.iterdir()}
     assert workers <= {"gw0", "gw1"} and workers, sorted(p.name for p in logs.iterdir())
     left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
