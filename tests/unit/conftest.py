@@ -33,11 +33,11 @@ def isolated_tmp(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.fixture
-def leftover_processes(pytester: pytest.Pytester) -> Callable[[], list[str]]:
-    """Lists the processes still running whose command line names the test's directory: the
-    torchrun agents and ranks of the sessions it launched (``pid: command line`` each)."""
+def leftover_processes() -> Callable[[Path], list[str]]:
+    """Lists the processes still running whose command line names ``path`` (a test's directory):
+    the torchrun agents and ranks of the sessions it launched (``pid: command line`` each)."""
 
-    def running() -> list[str]:
+    def running(path: Path) -> list[str]:
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             if int(pid) == os.getpid():
@@ -47,7 +47,7 @@ def leftover_processes(pytester: pytest.Pytester) -> Callable[[], list[str]]:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue  # it ended meanwhile
-            if str(pytester.path) in cmdline:
+            if str(path) in cmdline:
                 found.append(f"{pid}: {cmdline}")
         return found
 

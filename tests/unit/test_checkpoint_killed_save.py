@@ -81,5 +81,5 @@ def test_a_save_killed_mid_write_never_loads_and_the_previous_one_does(
     result.stdout.fnmatch_lines(
         ["PASSED test_killed.py::test_a_fresh_rank_set_loads_the_previous_checkpoint_exactly"]
     )
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert sorted(p.name for p in isolated_tmp.iterdir()) == []

@@ -141,5 +141,5 @@ def test_a_checkpoint_loads_at_any_world_size(pytester, monkeypatch, isolated_tm
         iteration = json.loads((root / f"{source}.json").read_text())["iteration"]
         shards = sorted(p.name for p in (root / source / f"iter_{iteration:07d}").glob("*.distcp"))
         assert shards == [f"__{r}_0.distcp" for r in range(ranks)]
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert sorted(p.name for p in isolated_tmp.iterdir()) == []

@@ -73,7 +73,7 @@ def test_mismatched_collectives_fail_at_once_on_every_rank(
     entered = float((pytester.path / "entered_at.txt").read_text())
     reported = float((pytester.path / "reported_at.txt").read_text())
     assert reported - entered <= REPORT_BOUND_S, (reported - entered, out)
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert list(isolated_tmp.iterdir()) == []
 
 
@@ -104,5 +104,5 @@ def test_torchrun_mode_too(pytester, monkeypatch, leftover_processes, isolated_t
     # exit): far below the test's 60 s timeout, which it would otherwise have waited out
     entered = float((pytester.path / "entered_at.txt").read_text())
     assert time.time() - entered < TEST_TIMEOUT_S / 2, out
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert [p.name for p in isolated_tmp.iterdir() if not p.name.startswith("torchelastic_")] == []

@@ -170,7 +170,7 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
     assert junit.count("<testcase") == 11 and 'name="test_rank1_exits"' in junit
 
     # Nothing left running, nothing left in the temp dir.
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert sorted(p.name for p in isolated_tmp.iterdir()) == [], list(isolated_tmp.iterdir())
 
 
@@ -216,7 +216,7 @@ def test_b(dist_env): pass
         == 2
     ), text  # said by both ranks
     assert "PASSED" not in text and " passed" not in text
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
 
 
 def test_torchrun_mode_agrees_on_outcomes_and_only_rank0_prints(pytester, isolated_tmp):
@@ -299,7 +299,7 @@ def test_ranks_disagree_on_the_collective(dist_env):
         "collective #1 in default_pg differs across ranks: rank 0 broadcast [[3]], rank 1 all_reduce [[5]]"
         in disagree
     )
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
 
 
 def test_sigterm_mid_test_kills_the_ranks_and_writes_junit(pytester, isolated_tmp, leftover_processes):
@@ -355,7 +355,7 @@ def test_long(dist_env):
     out = proc.communicate(timeout=60)[0]
     assert time.monotonic() - started < 30, out
     assert proc.returncode != 0, out
-    assert leftover_processes() == [], out
+    assert leftover_processes(pytester.path) == [], out
     suite = ET.parse(pytester.path / "junit.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite[0]
     cases = {case.get("name"): case for case in suite.iter("testcase")}

@@ -112,5 +112,5 @@ def test_a_rank_failing_while_its_peer_waits_in_megatron_fsdp_collectives_is_rep
     # a rank-set start-up (~10-30 s here), two model builds and the bound twice, with room for a
     # loaded machine
     assert wall < 150, wall
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert list(isolated_tmp.iterdir()) == []

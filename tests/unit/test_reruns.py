@@ -64,7 +64,7 @@ def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(pytester, monkeypatc
     pids = _attempt_pids(pytester.path, "flaky")
     assert [len(p) for p in pids.values()] == [2, 2]
     assert len(set(pids[0] + pids[1])) == 4, pids  # every attempt in new processes
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
 
 
 def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(pytester, leftover_processes):
@@ -91,7 +91,7 @@ def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(p
     # the final failure carries the earlier two as sections
     assert "attempt 3 fails too" in out
     assert "megatron-fsdp: attempt 1 of 3 failed" in out and "megatron-fsdp: attempt 2 of 3 failed" in out
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
 
 
 @pytest.mark.parametrize(
@@ -169,4 +169,4 @@ def test_under_xdist_the_rerun_shows_in_the_controllers_summary(pytester, leftov
     result.stdout.fnmatch_lines(["FLAKY test_reruns.py::test_flaky: passed on attempt 2 of 2, in a fresh*"])
     pids = _attempt_pids(pytester.path, "flaky")
     assert len(set(pids[0] + pids[1])) == 4, pids
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []

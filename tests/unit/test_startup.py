@@ -78,7 +78,7 @@ def test_the_rank_set_is_launched_while_the_parent_still_collects(pytester, isol
     launched = [c for c in parent["children"] if "torch.distributed.run" in c]
     assert len(launched) == 1, parent["children"]
     assert "--nproc_per_node=2" in launched[0] and "pytest_megatron_fsdp.harness.rank_entry" in launched[0]
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert list(isolated_tmp.iterdir()) == []
 
 
@@ -103,7 +103,7 @@ def test_a_rank_set_no_test_needs_is_reaped_or_never_launched(
         assert not launched, children  # --collect-only runs nothing: no rank set at all
     assert result.ret == 0
     assert elapsed < 60, elapsed  # not waiting for ranks that have nothing to run
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     assert list(isolated_tmp.iterdir()) == []
 
 
@@ -201,4 +201,4 @@ def test_a_prestarted_rank_set_waits_for_the_session_to_reach_its_tests(
     pytester.makepyfile(test_order=PLAIN_FIRST)
     result = pytester.runpytest_subprocess("--mfsdp-platform=cpu", timeout=300)
     result.assert_outcomes(passed=2)
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []

@@ -55,6 +55,6 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, left
     assert "timeout on rank 0" in text and "timeout on rank 1" in text, text
     assert "collectives (c10d flight recorder" in (logs / "torchrun" / "rank0.log").read_text()
     assert time.monotonic() - started < HANG_TIMEOUT_S + 60, text  # start-up, timeout, dumps
-    assert leftover_processes() == []
+    assert leftover_processes(pytester.path) == []
     # the ranks ended by their watchdogs removed their private temp trees; torchrun's own stays
     assert [p.name for p in isolated_tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
