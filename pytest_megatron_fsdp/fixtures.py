@@ -47,21 +47,23 @@ def dist_env(request: pytest.FixtureRequest) -> DistEnv:
 
 
 @pytest.fixture
-def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> DistEnv:
+def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iterator[DistEnv]:
     """Megatron's model-parallel state, up for the test with every rank seeded identically.
 
     Sizes come from the marker (``tp=``, ``pp=``, ``cp=``); seeds (``model_parallel_cuda_manual_seed``
     included) are reset for every test, so tests do not leak into each other. The state itself is
     kept for the next test with the same sizes (building it makes 17 process groups; see
     ``fsdp.parallel.initialize_model_parallel``) and dropped before the process group goes: at the
-    session's end, and when a failed test renews the group.
+    session's end, and when a failed test renews the group. Megatron's scratch buffer, which that
+    state would keep, is freed after each test.
     """
     from .fsdp import parallel
 
     spec = _spec(request)
     _rank_session(request).on_release(parallel.destroy_model_parallel)
     parallel.initialize_model_parallel(spec.tp, spec.pp, spec.cp, RunConfig().train.seed)
-    return dist_env
+    yield dist_env
+    parallel.release_scratch_memory()
 
 
 @pytest.fixture
@@ -126,7 +128,7 @@ def megatron_fsdp_run(
     try:
         yield build
     finally:
-        _close_all(runs)
+        _close_all(runs, _rank_session(request))
 
 
 @pytest.fixture
@@ -172,7 +174,7 @@ def fully_shard_run(
     try:
         yield build
     finally:
-        _close_all(runs)
+        _close_all(runs, _rank_session(request))
 
 
 def _watch_runs(request: pytest.FixtureRequest, env: DistEnv) -> RunWatch:
@@ -192,13 +194,15 @@ def _watch_runs(request: pytest.FixtureRequest, env: DistEnv) -> RunWatch:
     return watch
 
 
-def _close_all(runs: list) -> None:
+def _close_all(runs: list, session: RankSession) -> None:
     """Close every run, and forget them: the factory, which the test's fixture values hold until
-    pytest drops them, must not keep them."""
+    pytest drops them, must not keep them. A run waits for the collectives it left in flight only
+    while the ranks still run collectives together (a failure may have released them)."""
+    wait_collectives = bool(runs) and not session.collectives_released()
     errors = []
     for run in runs:
         try:
-            run.close()
+            run.close(wait_collectives=wait_collectives)
         except Exception as exc:  # noqa: BLE001 - the other runs are closed all the same
             errors.append(exc)
     runs.clear()

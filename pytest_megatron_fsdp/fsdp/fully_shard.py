@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..environment import DistEnv
-from .release import release_grad_hooks, release_method_caches
+from .release import release_grad_hooks, release_method_caches, wait_pending_collectives
 from .results import RunFacts, TrainResult
 
 #: ``loss_fn(model, batch) -> scalar loss tensor``
@@ -149,8 +149,10 @@ class FullyShardRun:
         if self.observer is not None:
             self.observer.on_checkpoint(self, figures)
 
-    def close(self) -> None:
+    def close(self, wait_collectives: bool = True) -> None:
         """Release the wrapped model and optimizer (see ``TrainingRun.close``; again: a no-op)."""
+        if wait_collectives:
+            wait_pending_collectives(self.model)
         release_grad_hooks(self.model)
         release_method_caches(self.model)
         self.model = None

@@ -67,6 +67,27 @@ def destroy_model_parallel() -> None:
             dist.destroy_process_group(group)
 
 
+def release_scratch_memory() -> int:
+    """Free Megatron's process-wide scratch buffer; returns the bytes it held.
+
+    ``parallel_state.get_global_memory_buffer()`` keeps, per (name, dtype), the largest tensor any
+    caller asked for (the local attention's score matrix: 8 MiB per rank with the Bridge reference
+    model on a GPU) for as long as the model-parallel state lives, which here is many tests. Freed
+    after each test, the next one allocates it again when it needs it, and a test's CUDA memory is
+    back to where it started. The buffer object stays (megatron looks it up on every call).
+    """
+    try:
+        scratch = parallel_state.get_global_memory_buffer()
+    except AssertionError:  # not initialized, or destroyed with the model-parallel state
+        return 0
+    tensors = getattr(scratch, "buffer", None)
+    if not isinstance(tensors, dict):
+        return 0
+    held = sum(t.untyped_storage().nbytes() for t in tensors.values() if isinstance(t, torch.Tensor))
+    tensors.clear()
+    return held
+
+
 def seed_everything(seed: int) -> None:
     """Python's, numpy's, torch's and Megatron's RNG tracker, identically on every rank."""
     import random

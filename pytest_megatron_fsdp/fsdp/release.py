@@ -7,8 +7,9 @@ dict where the garbage collector cannot follow it, so that cycle is never collec
 would outlive its test with its parameters, gradients and optimizer state (the same cycle through
 ``register_hook`` is collected; ``tests/unit/test_model_release.py`` shows both with torch alone).
 :func:`release_grad_hooks` removes those hooks (:func:`release_method_caches` the method caches
-that hold a module); :class:`RunWatch` checks, once the test is over,
-that nothing of it is still reachable and, on GPUs, that the CUDA memory it allocated is free.
+that hold a module, :func:`wait_pending_collectives` the collectives a wrapper left in flight);
+:class:`RunWatch` checks, once the test is over, that nothing of it is still reachable and, on GPUs,
+that the CUDA memory it allocated is free.
 
 Imports torch at module level: loaded only inside a rank that builds a run.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import gc
 import sys
 import types
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -80,6 +82,52 @@ def release_method_caches(*modules: torch.nn.Module | None) -> int:
                     attribute.cache_clear()
                     cleared += 1
     return cleared
+
+
+def wait_pending_collectives(*modules: torch.nn.Module | None) -> int:
+    """Wait for the parameter all-gathers a Megatron-FSDP wrapper left in flight; returns how many.
+
+    After ``optimizer.step()`` Megatron-FSDP starts the all-gathers of the next forward's first
+    buckets (3 of 3 with the tiny preset and ``optim_grads_params``, 1 with ``optim_grads``; none
+    with ``no_shard``), so the last step of a run leaves them in flight, never waited. torch's
+    ProcessGroupNCCL keeps the tensors of an async collective (``TORCH_NCCL_AVOID_RECORD_STREAMS``'s
+    stash: the all-gather's input is a view of the whole sharded weight buffer) until ``wait()``,
+    or, when nobody waits, until the next collective on that process group, which is the next
+    test's: the first test of a process kept its model's weight buffer allocated after it. The
+    wrapper's own ``synchronize_param_gather()`` waits them and frees the unsharded buckets; its
+    warning that there were pending all-gathers is expected here and not shown. Only while the
+    ranks still run collectives together: after a failure that released them, a wait could block.
+    """
+    waited = 0
+    for wrapper, pending in _all_gathers_in_flight(modules):
+        waited += pending
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There are still pending all-gather tasks")
+            wrapper.synchronize_param_gather()
+    return waited
+
+
+def pending_all_gathers(*modules: torch.nn.Module | None) -> int:
+    """How many parameter all-gathers the Megatron-FSDP wrappers in ``modules`` have in flight."""
+    return sum(pending for _, pending in _all_gathers_in_flight(modules))
+
+
+def _all_gathers_in_flight(modules: Iterable[torch.nn.Module | None]) -> list[tuple[torch.nn.Module, int]]:
+    """(wrapper, all-gathers in flight) for every Megatron-FSDP wrapper with some in ``modules``.
+
+    The wrapper's all-gather pipeline keeps each async all-gather until a bucket's user waits it
+    (``param_gather_event_map``, megatron-core 0.16 to 0.19 and megatron-fsdp 0.6 alike).
+    """
+    found = []
+    for module in modules:
+        if module is None:
+            continue
+        for submodule in module.modules():
+            pipeline = getattr(submodule, "all_gather_pipeline", None)
+            pending = getattr(pipeline, "param_gather_event_map", None)
+            if pending and hasattr(submodule, "synchronize_param_gather"):
+                found.append((submodule, len(pending)))
+    return found
 
 
 def freeze_existing_objects() -> None:

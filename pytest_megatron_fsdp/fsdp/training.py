@@ -25,7 +25,7 @@ from . import model as model_builder
 from .config import ConfigWarning, RunConfig, validate
 from .parallel import initialize_model_parallel
 from .presets import ModelPreset
-from .release import release_grad_hooks, release_method_caches
+from .release import release_grad_hooks, release_method_caches, wait_pending_collectives
 from .results import RunFacts, TrainResult
 
 
@@ -120,7 +120,9 @@ class TrainingRun:
                 model_builder.optimizer_config(cfg, self.preset, env), [self.model]
             )
         except BaseException:
-            self.close()  # else the wrapper's hooks keep it alive for the rest of the process
+            # else the wrapper's hooks keep it alive for the rest of the process; no waits: the
+            # failure may be this rank's alone
+            self.close(wait_collectives=False)
             raise
         config = self.model.config
         config.no_sync_func = self.model.no_sync
@@ -237,14 +239,18 @@ class TrainingRun:
             local = self._forward_backward(forward_only=True)
         return self._data_parallel_mean(local)
 
-    def close(self) -> None:
+    def close(self, wait_collectives: bool = True) -> None:
         """Release this run's model and optimizer (again: a no-op).
 
-        First the hooks that would keep the wrapper alive forever (``fsdp.release``), then the
-        references: once the caller's are gone too, the garbage collector frees the model, its
-        gradients and the optimizer state. Megatron's model-parallel state stays up for the next
-        run or test with the same sizes; the rank session tears it down with the process group.
+        First the collectives the wrapper left in flight (waited: ``wait_collectives=False`` after
+        a failure that released the ranks from running collectives together) and the hooks that
+        would keep the wrapper alive forever (``fsdp.release``), then the references: once the
+        caller's are gone too, the garbage collector frees the model, its gradients and the
+        optimizer state. Megatron's model-parallel state stays up for the next run or test with
+        the same sizes; the rank session tears it down with the process group.
         """
+        if wait_collectives:
+            wait_pending_collectives(self.model)
         release_grad_hooks(self.model)
         release_method_caches(self.model)
         self.model = None

@@ -191,7 +191,7 @@ def test_reachable_tensor_bytes_counts_each_storage_once_and_follows_grads_and_c
 
 #: what each rank writes after every test, once the harness's check ran (what the next test inherits)
 AFTER_EACH_TEST = """
-import gc, json, os, torch
+import gc, json, os, sys, torch
 
 WRAPPERS = {"MegatronFSDP", "FullyShardedDataParallel", "DistributedDataParallel",
             "TorchFullyShardedDataParallel", "GPTModel", "DistributedOptimizer", "ChainedOptimizer"}
@@ -211,9 +211,13 @@ def pytest_runtest_logfinish(nodeid):
                 pass
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    # megatron's process-wide scratch buffer (parallel_state.get_global_memory_buffer())
+    scratch = getattr(sys.modules.get("megatron.core.parallel_state"), "_GLOBAL_MEMORY_BUFFER", None)
+    scratch_bytes = sum(t.untyped_storage().nbytes() for t in getattr(scratch, "buffer", {}).values())
     with open(f"after-rank{os.environ['RANK']}.jsonl", "a") as f:
         f.write(json.dumps({"test": nodeid.split("::")[-1], "wrappers": wrappers,
-                            "tensor_bytes": sum(storages.values()), "rss": rss}) + "\\n")
+                            "tensor_bytes": sum(storages.values()), "rss": rss,
+                            "scratch_bytes": scratch_bytes}) + "\\n")
 """
 
 TEN_RUNS = """
@@ -272,6 +276,9 @@ def test_ten_runs_in_a_row_leave_no_wrapper_and_flat_memory(pytester):
         after = _after_each_test(pytester, rank)
         assert len(after) == 10
         assert [a["wrappers"] for a in after] == [[]] * 10, after
+        # Megatron's scratch (32 KiB per rank here, 8 MiB with the Bridge reference model on a GPU)
+        # would stay from the first attention forward on: freed after each test.
+        assert [a["scratch_bytes"] for a in after] == [0] * 10, after
         # Live tensors stay where the first test left them (Megatron's model-parallel state, RNG
         # states: ~0.05 MiB); a leaked tiny run would add ~1.5 MiB of tensors per test.
         first = after[0]
