@@ -87,9 +87,10 @@ def release_method_caches(*modules: torch.nn.Module | None) -> int:
 def wait_pending_collectives(*modules: torch.nn.Module | None) -> int:
     """Wait for the parameter all-gathers a Megatron-FSDP wrapper left in flight; returns how many.
 
-    After ``optimizer.step()`` Megatron-FSDP starts the all-gathers of the next forward's first
-    buckets (3 of 3 with the tiny preset and ``optim_grads_params``, 1 with ``optim_grads``; none
-    with ``no_shard``), so the last step of a run leaves them in flight, never waited. torch's
+    megatron-core's ``DistributedOptimizer.step()`` calls the wrapper's ``start_param_sync()``,
+    which starts the next forward's all-gathers (3 with the tiny preset and ``optim_grads_params``,
+    1 with ``optim_grads``, none with ``no_shard``): the last step of a run leaves them in flight,
+    never waited. torch's
     ProcessGroupNCCL keeps the tensors of an async collective (``TORCH_NCCL_AVOID_RECORD_STREAMS``'s
     stash: the all-gather's input is a view of the whole sharded weight buffer) until ``wait()``,
     or, when nobody waits, until the next collective on that process group, which is the next

@@ -4,10 +4,11 @@ megatron-core's ``DistributedOptimizer.step()`` calls the wrapper's ``start_para
 starts the all-gathers of the next forward's buckets; the last step of a run therefore leaves them
 in flight, never waited. On GPUs that keeps memory: ProcessGroupNCCL holds an async collective's
 tensors (the all-gather's input is a view of the whole sharded weight buffer) until ``wait()``, or,
-when nobody waits, until the next collective on that process group, which is the next test's. On an
-H200 the first Megatron-FSDP test of a process kept its model's 62 MiB weight buffer that way, and
-the harness's after-test CUDA check reported it. Closing a run now waits for them; on CPU ranks
-(gloo) this test shows they are waited, on GPUs the after-test check shows the memory is free.
+when nobody waits, until the next collective on that process group, which is the next test's. That
+is what kept 62 MiB of the weight buffer after the first Megatron-FSDP test of each process on an
+H200 (reported by the harness's after-test CUDA check; found later on CPU ranks and in torch's
+source, not yet re-run on a GPU). Closing a run now waits for them: on CPU ranks (gloo) this test
+shows they are waited; on GPUs the after-test check shows whether the memory is free.
 """
 
 from __future__ import annotations
