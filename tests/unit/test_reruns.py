@@ -144,7 +144,9 @@ def test_torchrun_mode_refuses_reruns_in_one_line(pytester):
         "mode (pytest, not torchrun) launches; a torchrun rank cannot restart its own process group; "
         "run plain pytest to rerun failed tests"
     )
-    assert text.count(line) == 2, text  # each rank says it, before any test runs
+    # Each rank refuses before any test runs, but torchrun stops the other ranks as soon as one
+    # exits: a rank may be stopped before it says it (1 of 2 lines, seen once on a loaded machine).
+    assert 1 <= text.count(line) <= 2, text
     assert " passed" not in text
     # the ini key is a standing setting: unused under torchrun, not refused
     pytester.makeini("[pytest]\nmfsdp_reruns = 2\n")
