@@ -310,7 +310,21 @@ SWIGLU_HANDLER_LOOKUP = KnownBug(
     first=(0, 16),
 )
 
+#: torch's gloo: with two or more asynchronous coalesced all-gathers in flight on one group (the
+#: ``_coalescing_manager(async_ops=True)`` blocks Megatron-FSDP's parameter prefetch issues), the
+#: group's two worker threads corrupt the process heap (``malloc(): unaligned tcache chunk detected``,
+#: SIGSEGV, SIGABRT). One at a time, plain async all-gathers, or one worker thread per group: clean.
+#: The CPU emulation gives every gloo group one worker thread (harness/cuda_emulation.py).
+GLOO_CONCURRENT_COALESCED_ALL_GATHERS = KnownBug(
+    "upstream bug (measured on torch 2.13.0 and 2.14.1): concurrent asynchronous coalesced "
+    "all-gathers on one gloo group corrupt the heap; no upstream report found; torch-only "
+    "reproduction: tests/unit/gloo_concurrent_all_gathers.py",
+    fixed_in=None,
+    package="torch",
+)
+
 KNOWN_BUGS = {
+    "gloo_concurrent_coalesced_all_gathers": GLOO_CONCURRENT_COALESCED_ALL_GATHERS,
     "swiglu_handler_lookup": SWIGLU_HANDLER_LOOKUP,
     "fully_shard_eager_optimizer_step": FULLY_SHARD_EAGER_OPTIMIZER_STEP,
     "no_shard_param_sync": NO_SHARD_PARAM_SYNC,

@@ -21,7 +21,12 @@ device arguments were all it took). This module gives them those meanings and no
   uses to fuse the gradient average into the reduction; gloo has no ``ReduceOp.PREMUL_SUM``) becomes
   a marker that ``reduce_scatter_tensor`` and ``all_reduce`` honour by scaling their input by ``f``
   (in place, as Megatron-FSDP's unfused path does) and summing, so Megatron's default
-  ``gradient_reduce_div_fusion=True`` path runs on CPU ranks too.
+  ``gradient_reduce_div_fusion=True`` path runs on CPU ranks too;
+* every gloo process group gets one worker thread (:class:`InOrderProcessGroupGloo`), so a group's
+  collectives run one at a time in issue order, as NCCL runs a communicator's. With torch's two
+  threads per group, torch's gloo corrupts the heap when several asynchronous coalesced all-gathers
+  are in flight on one group, as Megatron-FSDP's parameter prefetch issues them (torch 2.13 and 2.14;
+  torch-only reproduction: tests/unit/gloo_concurrent_all_gathers.py).
 
 It is applied only in CPU ranks (the plugin calls :func:`enable` when the platform is ``cpu``),
 must be applied before ``megatron`` is imported (megatron binds ``torch.cuda._lazy_call`` by name at
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as _dist
 import torch.distributed.device_mesh as _device_mesh
+import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["enable", "disable", "is_enabled", "emulated", "PATCHED_CUDA_ATTRIBUTES", "CUDA_TYPE_CHECKERS"]
@@ -284,6 +291,44 @@ def _premul_aware(original: Callable[..., Any], tensor_arg: str) -> Callable[...
     return collective
 
 
+def _gloo_devices() -> list[Any]:
+    """The devices torch's own gloo constructor picks: one per ``GLOO_SOCKET_IFNAME`` entry, or the
+    host's default."""
+    from torch.distributed import ProcessGroupGloo
+
+    interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if interfaces:
+        return [ProcessGroupGloo.create_device(interface=name) for name in interfaces]
+    return [ProcessGroupGloo.create_default_device()]
+
+
+def _in_order_gloo_class() -> type:
+    from torch.distributed import ProcessGroupGloo
+    from torch.distributed.constants import default_pg_timeout
+
+    class InOrderProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc, valid-type]
+        """A gloo process group with one worker thread: its collectives run in issue order.
+
+        torch builds gloo groups as ``ProcessGroupGloo(store, rank, size, timeout=..., **flags)``;
+        this builds the same options torch would, with ``_threads = 1``. A caller passing its own
+        ``_Options`` keeps them as given.
+        """
+
+        def __init__(self, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> None:
+            if args and isinstance(args[0], ProcessGroupGloo._Options):
+                super().__init__(store, rank, size, *args, **kwargs)
+                return
+            options = ProcessGroupGloo._Options()
+            options._timeout = args[0] if args else kwargs.pop("timeout", default_pg_timeout)
+            options._devices = _gloo_devices()
+            options._threads = 1
+            for name, value in kwargs.items():  # e.g. enable_reconfigure; unknown names raise
+                setattr(options, name, value)
+            super().__init__(store, rank, size, options)
+
+    return InOrderProcessGroupGloo
+
+
 class _Emulation:
     """The applied patch set: remembers every original so :meth:`restore` undoes it exactly."""
 
@@ -314,6 +359,8 @@ class _Emulation:
         self._patch(_dist, "_make_nccl_premul_sum", _make_premul_sum)
         self._patch(_dist, "reduce_scatter_tensor", _premul_aware(_dist.reduce_scatter_tensor, "input"))
         self._patch(_dist, "all_reduce", _premul_aware(_dist.all_reduce, "tensor"))
+        # torch's group constructors look the class up in distributed_c10d at call time
+        self._patch(_c10d, "ProcessGroupGloo", _in_order_gloo_class())
         self._mode = _CudaToCpuMode()
         self._mode.__enter__()
 

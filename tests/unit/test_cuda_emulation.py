@@ -40,6 +40,7 @@ def _snapshot():
         "from_group": dm.DeviceMesh.__dict__["from_group"],
         "init_device_mesh": dm.init_device_mesh,
         **{f"dist.{n}": getattr(torch.distributed, n) for n in PREMUL_SUM_ENTRY_POINTS},
+        "c10d.ProcessGroupGloo": torch.distributed.distributed_c10d.ProcessGroupGloo,
     }
 
 

@@ -1,0 +1,61 @@
+"""Three asynchronous coalesced all-gathers in flight at once on one gloo group, as Megatron-FSDP's
+parameter prefetch issues them (``optim_grads_params``), with every result checked.
+
+Run on its own under torchrun (torch alone, torch's own gloo groups)::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        tests/unit/gloo_concurrent_all_gathers.py [ITERATIONS]
+
+With torch 2.13.0 and 2.14.1 a rank dies of heap corruption within a few thousand iterations
+(``malloc(): unaligned tcache chunk detected``, SIGSEGV or SIGABRT); with one gloo worker thread per
+group (what the CPU emulation sets) it prints ``ok`` on every rank. test_gloo_in_order.py runs both.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+#: element counts of the tensors each coalesced all-gather gathers (a bucket group each)
+BUCKET_GROUPS = ((4096, 1024, 8192), (2048, 16384), (512, 4096, 1024))
+
+
+def all_gather_concurrently(group: dist.ProcessGroup, iterations: int) -> None:
+    """All-gather every bucket group per iteration, all in flight before the first wait."""
+    rank, world = group.rank(), group.size()
+    shards = [[torch.full((n // world,), float(rank + 1)) for n in sizes] for sizes in BUCKET_GROUPS]
+    expected = [
+        [torch.arange(world, dtype=torch.float32).add(1).repeat_interleave(n // world) for n in sizes]
+        for sizes in BUCKET_GROUPS
+    ]
+    for _ in range(iterations):
+        managers, outputs = [], []
+        for sizes, inputs in zip(BUCKET_GROUPS, shards, strict=True):
+            gathered = [torch.empty(n) for n in sizes]
+            with dist._coalescing_manager(group, async_ops=True) as manager:
+                for output, shard in zip(gathered, inputs, strict=True):
+                    dist.all_gather_into_tensor(output, shard, group=group)
+            managers.append(manager)
+            outputs.append(gathered)
+        for manager in managers:
+            manager.wait()
+        for gathered, wanted in zip(outputs, expected, strict=True):
+            for output, value in zip(gathered, wanted, strict=True):
+                if not torch.equal(output, value):
+                    raise AssertionError(f"rank {rank}: an all-gather returned wrong values")
+
+
+def main() -> None:
+    iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
+    dist.init_process_group("gloo")
+    try:
+        all_gather_concurrently(dist.new_group(), iterations)
+        print(f"ok rank {dist.get_rank()}: {iterations} iterations", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
