@@ -30,6 +30,7 @@ def all_gather_concurrently(group: dist.ProcessGroup, iterations: int) -> None:
         [torch.arange(world, dtype=torch.float32).add(1).repeat_interleave(n // world) for n in sizes]
         for sizes in BUCKET_GROUPS
     ]
+    work = torch.ones(256, 256)
     for _ in range(iterations):
         managers, outputs = [], []
         for sizes, inputs in zip(BUCKET_GROUPS, shards, strict=True):
@@ -39,6 +40,7 @@ def all_gather_concurrently(group: dist.ProcessGroup, iterations: int) -> None:
                     dist.all_gather_into_tensor(output, shard, group=group)
             managers.append(manager)
             outputs.append(gathered)
+        torch.mm(work, work)  # the main thread computes meanwhile, as a forward does during a prefetch
         for manager in managers:
             manager.wait()
         for gathered, wanted in zip(outputs, expected, strict=True):
