@@ -193,7 +193,8 @@ if {editable!r}:
     import standin_editable_finder
     standin_editable_finder.install()
 from pytest_megatron_fsdp.fsdp import versions
-print(versions.megatron_lm_training_installed(), "megatron.training" in sys.modules)
+fields = versions.megatron_config_fields("DistributedDataParallelConfig")
+print(versions.megatron_lm_training_installed(), "megatron.training" in sys.modules, sorted(fields or ()))
 """
 
 
@@ -202,6 +203,10 @@ def _stand_in_checkout(root, with_checkpointing: bool = True):
     ``megatron/core`` and ``megatron/training``, whose ``__init__`` must never run at detection."""
     (root / "megatron" / "core").mkdir(parents=True)
     (root / "megatron" / "core" / "__init__.py").write_text("raise RuntimeError('megatron.core imported')\n")
+    (root / "megatron" / "core" / "distributed").mkdir()
+    (root / "megatron" / "core" / "distributed" / "distributed_data_parallel_config.py").write_text(
+        "class DistributedDataParallelConfig:\n    use_megatron_fsdp: bool = False\n"
+    )
     training = root / "megatron" / "training"
     training.mkdir()
     (training / "__init__.py").write_text("raise RuntimeError('megatron.training imported')\n")
@@ -247,18 +252,19 @@ def _detect(tmp_path, checkout, editable: bool) -> str:
 @pytest.mark.parametrize("editable", [True, False], ids=["editable", "directory-on-path"])
 def test_megatron_lm_training_is_found_where_it_is_importable(tmp_path, editable):
     checkout = _stand_in_checkout(tmp_path / "Megatron-LM")
-    # found, and megatron.training not imported (its __init__ raises)
-    assert _detect(tmp_path, checkout, editable) == "True False"
+    # found, megatron.training not imported (its __init__ raises), and megatron-core's config
+    # fields read from the same checkout (the --mfsdp-set check)
+    assert _detect(tmp_path, checkout, editable) == "True False ['use_megatron_fsdp']"
 
 
 @pytest.mark.parametrize("editable", [True, False], ids=["editable", "directory-on-path"])
 def test_megatron_lm_training_is_not_found_where_it_is_missing(tmp_path, editable):
     without_checkpointing = _stand_in_checkout(tmp_path / "a", with_checkpointing=False)
-    assert _detect(tmp_path, without_checkpointing, editable) == "False False"
+    assert _detect(tmp_path, without_checkpointing, editable) == "False False ['use_megatron_fsdp']"
     core_only = tmp_path / "b"
     (core_only / "megatron" / "core").mkdir(parents=True)
     (core_only / "megatron" / "core" / "__init__.py").write_text("")
-    assert _detect(tmp_path, core_only, editable) == "False False"
+    assert _detect(tmp_path, core_only, editable) == "False False []"
 
 
 # -- a strict xfail that passes: what the failure says -------------------------------------------
