@@ -43,9 +43,10 @@ def megatron_core_version() -> Version | None:
 
 
 def _git_commit(path: str) -> str | None:
-    """The short commit of the git work tree at ``path``, read locally (no network); None where
-    ``path`` is no git work tree, git is missing or refuses (e.g. another user's repository)."""
-    if not os.path.exists(os.path.join(path, ".git")):
+    """The short commit of the git work tree ``path`` is in (megatron-fsdp's source is a subdirectory
+    of a Megatron-LM checkout), read locally (no network); None where ``path`` is in no git work tree
+    (an exported snapshot), or git is missing or refuses (e.g. another user's repository)."""
+    if not os.path.isdir(path):
         return None
     try:
         done = subprocess.run(

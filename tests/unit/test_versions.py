@@ -340,6 +340,11 @@ def test_package_source_names_the_commit_of_a_git_checkout(monkeypatch, tmp_path
 
     monkeypatch.setattr(metadata, "distribution", lambda name: Distribution())
     assert versions.package_source("megatron-core") == f"{checkout}@{commit}"
+    # megatron-fsdp's source: a subdirectory of the checkout
+    src = checkout / "megatron" / "core" / "distributed" / "fsdp" / "src"
+    src.mkdir(parents=True)
+    Distribution.read_text = lambda self, name: f'{{"url": "file://{src}", "dir_info": {{"editable": true}}}}'
+    assert versions.package_source("megatron-fsdp") == f"-e {src}@{commit}"
 
 
 XPASSING = """
