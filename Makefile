@@ -8,6 +8,9 @@
 #   make smoke MEGATRON_CORE=/path/to/megatron_core-0.20.0-py3-none-any.whl
 #   make smoke MEGATRON_CORE="-e /path/to/Megatron-LM"
 #   make smoke MEGATRON_CORE="megatron-core>=0.19,<0.20"
+# When MEGATRON_CORE names a Megatron-LM checkout ("-e PATH" or PATH), the standalone megatron-fsdp
+# comes from the same checkout (PATH/megatron/core/distributed/fsdp/src, editable when megatron-core is).
+# MEGATRON_FSDP overrides it with any pip requirement line; MEGATRON_FSDP= keeps the registry's.
 # On a GPU runner keep the container's torch:
 #   make smoke PYTHON=python3 VENV_FLAGS=--system-site-packages TORCH_SPEC=
 
@@ -33,6 +36,12 @@ EXTRAS        ?= dev
 else
 $(error STACK=$(STACK): choose newest or floor)
 endif
+# A Megatron-LM checkout in MEGATRON_CORE ("-e PATH", "--editable PATH" or PATH) brings its own
+# standalone megatron-fsdp (it has its own pyproject.toml there).
+_MCORE_EDITABLE := $(filter -e --editable,$(firstword $(MEGATRON_CORE)))
+_MCORE_PATH     := $(patsubst %/,%,$(if $(_MCORE_EDITABLE),$(word 2,$(MEGATRON_CORE)),$(MEGATRON_CORE)))
+_FSDP_SRC       := $(_MCORE_PATH)/megatron/core/distributed/fsdp/src
+MEGATRON_FSDP ?= $(if $(and $(_MCORE_PATH),$(filter 1,$(words $(_MCORE_PATH))),$(wildcard $(_FSDP_SRC)/pyproject.toml)),$(strip $(_MCORE_EDITABLE) $(_FSDP_SRC)))
 VENV        ?= .venv-$(STACK)
 VENV_FLAGS  ?=
 NPROC       ?= 2
@@ -52,7 +61,8 @@ SCRATCH  := scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && trap 'exi
 PYTEST   := $(SCRATCH) $(PY) -m pytest
 TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 # What the venv was built from: a change of any of these rebuilds the installs.
-SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) extras=$(EXTRAS) flags=$(VENV_FLAGS)
+SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) megatron-fsdp=$(MEGATRON_FSDP) \
+	extras=$(EXTRAS) flags=$(VENV_FLAGS)
 
 .PHONY: venv smoke test unit functional lint stack clean
 
@@ -65,7 +75,12 @@ venv:
 		if [ -n "$(TORCH_SPEC)" ]; then $(PY) -m pip install -q "$(TORCH_SPEC)"; fi; \
 		echo '$(MEGATRON_CORE)' > $(VENV)/megatron-core.txt; \
 		$(PY) -m pip install -q -r $(VENV)/megatron-core.txt; \
-		$(PY) -m pip install -q -e '.[$(EXTRAS)]'; \
+		echo '$(MEGATRON_FSDP)' > $(VENV)/megatron-fsdp.txt; \
+		if [ -n '$(strip $(MEGATRON_FSDP))' ]; then \
+			$(PY) -m pip install -q -r $(VENV)/megatron-fsdp.txt -e '.[$(EXTRAS)]'; \
+		else \
+			$(PY) -m pip install -q -e '.[$(EXTRAS)]'; \
+		fi; \
 		echo '$(SPEC)' > $(VENV)/.installed; \
 	fi
 	@$(MAKE) --no-print-directory stack

@@ -6,20 +6,28 @@ Reads package metadata only: importing this module imports neither torch nor meg
 from __future__ import annotations
 
 import functools
+import json
+import os
+import re
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
+from urllib.parse import unquote, urlparse
+
+from packaging.version import InvalidVersion, Version
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts: list[int] = []
-    for piece in text.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+def parse_version(text: str | Version) -> Version | None:
+    """``text`` as a PEP 440 version (``packaging``'s ordering: ``0.20.0.dev1 < 0.20.0rc2 < 0.20.0 <
+    0.20.0+gitabc < 0.20.0.post1``); None for "not installed" or a string that is no version."""
+    if isinstance(text, Version):
+        return text
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return None
 
 
 def package_version(name: str) -> str:
@@ -29,23 +37,82 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
-def megatron_core_version() -> tuple[int, ...]:
-    return _version_tuple(package_version("megatron-core"))
+def megatron_core_version() -> Version | None:
+    """The installed megatron-core's version (None: not installed)."""
+    return parse_version(package_version("megatron-core"))
+
+
+def _git_commit(path: str) -> str | None:
+    """The short commit of the git work tree ``path`` is in (megatron-fsdp's source is a subdirectory
+    of a Megatron-LM checkout), read locally (no network); None where ``path`` is in no git work tree
+    (an exported snapshot), or git is missing or refuses (e.g. another user's repository)."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        done = subprocess.run(
+            ["git", "-C", path, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and re.fullmatch(r"[0-9a-f]{4,40}", commit) else None
+
+
+def package_source(name: str) -> str | None:
+    """Where the installed distribution ``name`` came from, for headers and messages; None where it
+    came from a package index (its version says it all) or is not installed.
+
+    Reads the PEP 610 record (``direct_url.json``) pip writes for a direct install: ``-e PATH@COMMIT``
+    for an editable checkout, ``PATH@COMMIT`` for a local directory (``no git commit`` where PATH is
+    no git work tree, e.g. an exported snapshot), the file for a wheel, ``URL@COMMIT`` for a VCS URL.
+    """
+    try:
+        record = metadata.distribution(name).read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return None
+    if not record:
+        return None
+    try:
+        direct = json.loads(record)
+    except ValueError:
+        return None
+    url = str(direct.get("url", ""))
+    if "vcs_info" in direct:
+        vcs = direct["vcs_info"]
+        return f"{vcs.get('vcs', 'vcs')}+{url}@{str(vcs.get('commit_id', '?'))[:9]}"
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        return url or None
+    path = unquote(parsed.path)
+    if "dir_info" not in direct:
+        return path  # a wheel or sdist file
+    commit = _git_commit(path)
+    editable = "-e " if direct["dir_info"].get("editable") else ""
+    return f"{editable}{path}@{commit}" if commit else f"{editable}{path}, no git commit"
+
+
+def _described(name: str) -> str:
+    version = package_version(name)
+    source = package_source(name)
+    return f"{name} {version}" + (f" ({source})" if source else "")
 
 
 def stack_description() -> str:
-    """The stack under test, for headers: ``Python X, torch Y, megatron-core Z[, megatron-fsdp W]``."""
+    """The stack under test, for headers: ``Python X, torch Y, megatron-core Z[, megatron-fsdp W]``,
+    each megatron package with its source where it is not an index release (see :func:`package_source`)."""
     import platform
 
     text = (
-        f"Python {platform.python_version()}, torch {package_version('torch')}, "
-        f"megatron-core {package_version('megatron-core')}"
+        f"Python {platform.python_version()}, torch {package_version('torch')}, {_described('megatron-core')}"
     )
-    standalone = package_version("megatron-fsdp")
-    if standalone == "not installed":
+    if package_version("megatron-fsdp") == "not installed":
         return text
     problem = fully_shard_problem()
-    return f"{text}, megatron-fsdp {standalone}" + (f" (unusable: {problem})" if problem else "")
+    return f"{text}, {_described('megatron-fsdp')}" + (f" (unusable: {problem})" if problem else "")
 
 
 def live_process_groups() -> list[Any]:
@@ -87,7 +154,8 @@ _MEGATRON_CONFIG_SOURCES = {
 
 
 def _dataclass_fields(package: str, sources: tuple[str, ...], classes: set[str]) -> frozenset[str] | None:
-    """Field names of ``classes`` as defined in ``package``'s ``sources``, read with ``ast``."""
+    """Field names of ``classes`` as defined in ``package``'s ``sources``, read with ``ast``.
+    ``find_spec`` of a subpackage imports its parent only (``megatron``, a namespace package: no code)."""
     import ast
     from importlib import util
 
@@ -126,7 +194,9 @@ def megatron_config_fields(class_name: str) -> frozenset[str] | None:
     is not installed or its layout is unknown (the run then checks when it builds the configs).
     """
     sources, classes = _MEGATRON_CONFIG_SOURCES[class_name]
-    return _dataclass_fields("megatron", tuple(f"core/{s}" for s in sources), classes)
+    # megatron.core's own locations: an editable install (a Megatron-LM checkout) lists no directory
+    # for the namespace package `megatron`, only its finder's placeholder
+    return _dataclass_fields("megatron.core", sources, classes)
 
 
 @functools.cache
@@ -214,24 +284,50 @@ def megatron_fsdp_wrapper_types(wrapper: Any = None) -> tuple[type, ...]:
 
 @dataclass(frozen=True)
 class KnownBug:
-    """An upstream bug and the releases of ``package`` that have it: ``first <= version < fixed_in``.
+    """An upstream bug and the versions of ``package`` that have it: ``first <= version < fixed_in``.
 
     Tests mark themselves strict-xfail where :meth:`present` (the test must fail there, or it
-    XPASSes loudly) and run as ordinary tests elsewhere (where the fix must hold).
+    XPASSes loudly, see :func:`no_longer_reproduces`) and run as ordinary tests elsewhere (where the
+    fix must hold).
+
+    Versions compare as PEP 440 versions (``packaging.version``), so the ordering is
+    ``0.20.0.dev1 < 0.20.0rc1 < 0.20.0 <= 0.20.0+gitabc < 0.20.0.post1``. ``fixed_in`` is the first
+    version known to carry the fix, written as that version reports itself: ``"0.20.0"`` when the
+    fix is first seen in 0.20.0 (or in a checkout reporting 0.20.0, as Megatron-LM main does), in
+    which case the pre-releases 0.20.0rcN count as still having the bug; ``"0.7.0rc0"`` when a
+    pre-release carries it (every later rc and the release then count as fixed). A pre-release that
+    turns out to have the fix XPASSes, and the failure says to lower ``fixed_in`` to it. A local
+    version (``0.20.0+d98e8a6``, a checkout) counts as its public version. A checkout whose version
+    is already past ``fixed_in`` but whose branch predates the fix is out of reach of any version
+    check: its test fails as an ordinary failure.
     """
 
     #: one line for the xfail reason, citing the upstream issue or PR
     reason: str
-    fixed_in: tuple[int, ...] | None
-    first: tuple[int, ...] = (0,)
+    #: the first version of ``package`` with the fix (a PEP 440 string); None: no fixed version known
+    fixed_in: str | None
+    #: the first version of ``package`` with the bug
+    first: str = "0"
     #: an extra condition beyond the version (e.g. "without Transformer Engine")
     only_if: Callable[[], bool] | None = None
     #: the distribution whose version decides ("megatron-fsdp" for the standalone fully_shard)
     package: str = "megatron-core"
 
-    def present(self, version: tuple[int, ...] | None = None) -> bool:
-        version = _version_tuple(package_version(self.package)) if version is None else version
-        in_range = self.first <= version and (self.fixed_in is None or version < self.fixed_in)
+    def __post_init__(self) -> None:
+        for field in ("first", "fixed_in"):
+            value = getattr(self, field)
+            if value is not None and parse_version(value) is None:
+                raise ValueError(f"KnownBug.{field}={value!r} is no PEP 440 version; write e.g. '0.20.0'")
+
+    def present(self, version: str | Version | None = None) -> bool:
+        """Whether ``version`` (default: the installed ``package``'s) has the bug. A package that is
+        not installed, or whose version is no PEP 440 version, has none."""
+        parsed = parse_version(package_version(self.package) if version is None else version)
+        if parsed is None:
+            return False
+        in_range = Version(self.first) <= parsed and (
+            self.fixed_in is None or parsed < Version(self.fixed_in)
+        )
         return in_range and (self.only_if is None or self.only_if())
 
 
@@ -240,7 +336,7 @@ class KnownBug:
 NO_SHARD_PARAM_SYNC = KnownBug(
     "upstream bug: no_shard + overlap_param_gather=False crashes in MegatronFSDP.start_param_sync "
     "(fetch_bucket on None); fixed in megatron-core 0.18 (Megatron-LM PR #3754)",
-    fixed_in=(0, 18),
+    fixed_in="0.18",
 )
 
 #: ``optim`` with ``overlap_grad_reduce=True``: ``_bucket_group_gradient_reduce`` reduce-scatters
@@ -249,7 +345,7 @@ NO_SHARD_PARAM_SYNC = KnownBug(
 OPTIM_OVERLAP_DOUBLE_COUNT = KnownBug(
     "upstream bug: 'optim' + overlap_grad_reduce=True adds the reduced shard onto the unreduced "
     "local gradient (local_grad += reduced_grad); changed in megatron-core 0.17 (Megatron-LM PR #3067)",
-    fixed_in=(0, 17),
+    fixed_in="0.17",
 )
 
 #: ``optim`` with ``overlap_grad_reduce=False`` on 0.19: the post-backward hook reduces the
@@ -258,12 +354,14 @@ OPTIM_OVERLAP_DOUBLE_COUNT = KnownBug(
 #: -> ``start_grad_sync`` reduce-scatters the same buffer again (``reduce_scatter_gradients``). For
 #: 'optim' the buffer is not sharded, so the second pass mixes reduced and unreduced values. Measured
 #: on CPU ranks: 4.811087 vs DDP's 4.809149 at iteration 2; without the second pass, exact parity.
+#: Megatron-LM PR #6357 (2026-08-18) stops the second reduction on main, which reports megatron-core
+#: 0.20.0; on main of 2026-08-22 (d98e8a6) the parity test with DDP passes.
 OPTIM_SYNC_DOUBLE_REDUCE = KnownBug(
     "upstream bug (measured on 0.19.2): 'optim' + overlap_grad_reduce=False reduces gradients twice "
-    "(post-backward hook, then finish_grad_sync -> start_grad_sync); no upstream fix known; see "
-    "Megatron-LM PR #4891's discussion of forcing overlap_grad_reduce for sharded strategies",
-    first=(0, 19),
-    fixed_in=None,
+    "(post-backward hook, then finish_grad_sync -> start_grad_sync); fixed on Megatron-LM main "
+    "(megatron-core 0.20.0) by PR #6357",
+    first="0.19",
+    fixed_in="0.20.0",
 )
 
 #: tp > 1 without Transformer Engine: ``_fix_tensor_parallel_attributes`` does
@@ -272,7 +370,7 @@ TENSOR_PARALLEL_WITHOUT_TE = KnownBug(
     "upstream bug: tp > 1 without Transformer Engine raises TypeError in FullyShardedDataParallel."
     "_fix_tensor_parallel_attributes (isinstance with TELinear=None); fixed in megatron-core 0.18 "
     "(Megatron-LM PR #3191)",
-    fixed_in=(0, 18),
+    fixed_in="0.18",
     only_if=lambda: not transformer_engine_available(),
 )
 
@@ -281,17 +379,20 @@ TENSOR_PARALLEL_WITHOUT_TE = KnownBug(
 FSDP2_FINISH_GRAD_SYNC = KnownBug(
     "upstream bug: TorchFullyShardedDataParallel.finish_grad_sync() takes no force_all_reduce -> "
     "TypeError after the first backward (Megatron-LM issue #4669); fixed in megatron-core 0.19 (PR #4953)",
-    fixed_in=(0, 19),
+    fixed_in="0.19",
 )
 
 #: ``fully_shard_optimizer`` initialises the optimizer's state eagerly with one ``step()`` on zero
 #: gradients: Adam's step count is then 1 ahead, so its bias correction under-applies the first
-#: real update (SGD, whose zero-gradient step changes nothing, is unaffected).
+#: real update (SGD, whose zero-gradient step changes nothing, is unaffected). Megatron-LM PR #5976
+#: makes that step inert (lr and weight decay 0 for it, step counters reset to 0 after it); it is in
+#: the megatron-fsdp Megatron-LM main vendors (``megatron/core/distributed/fsdp/src``, 0.7.0rc0 on
+#: main of 2026-08-22), not in any megatron-fsdp release up to 0.6.1.
 FULLY_SHARD_EAGER_OPTIMIZER_STEP = KnownBug(
     "upstream bug: fully_shard_optimizer's eager init step() puts Adam one step ahead, so the first "
-    "real update is under-applied (Megatron-LM issue #5974, fixed on main by PR #5976)",
-    first=(0, 6),
-    fixed_in=None,
+    "real update is under-applied (fixed by PR #5976 on Megatron-LM main; Megatron-LM issue #5974)",
+    first="0.6",
+    fixed_in="0.7.0rc0",
     package="megatron-fsdp",
 )
 
@@ -307,7 +408,7 @@ SWIGLU_HANDLER_LOOKUP = KnownBug(
     "cannot find a Megatron-FSDP model's parameters by name (related open reports: Megatron-LM "
     "issue #5265, Megatron-Bridge issue #4236)",
     fixed_in=None,
-    first=(0, 16),
+    first="0.16",
 )
 
 #: torch's gloo: with two or more asynchronous coalesced all-gathers in flight on one group (the
@@ -333,6 +434,40 @@ KNOWN_BUGS = {
     "tensor_parallel_without_te": TENSOR_PARALLEL_WITHOUT_TE,
     "fsdp2_finish_grad_sync": FSDP2_FINISH_GRAD_SYNC,
 }
+
+_CITATION = re.compile(r"(?:Megatron-(?:LM|Bridge) )?(?:PR|issue) #\d+")
+
+
+def known_bug_name(bug: KnownBug) -> str:
+    """``bug``'s name in :data:`KNOWN_BUGS` ("" for a bug not registered there)."""
+    return next((key for key, known in KNOWN_BUGS.items() if known is bug), "")
+
+
+def xfail_reason(bug: KnownBug) -> str:
+    """The xfail reason pytest prints per test (``-ra``): which bug (its name in
+    :data:`KNOWN_BUGS`, where the whole story is), the upstream reference, and whether a release
+    fixes it. The test's docstring says what the test sees."""
+    fixed = f"fixed in {bug.package} {bug.fixed_in}" if bug.fixed_in else "no fix released"
+    citation = _CITATION.search(bug.reason)
+    return f"upstream bug {known_bug_name(bug)} ({citation.group(0) + '; ' if citation else ''}{fixed})"
+
+
+def no_longer_reproduces(bug: KnownBug) -> str:
+    """The one line a strict xfail of ``bug`` fails with when its test passes (XPASS(strict)): the
+    bug no longer reproduces with the installed ``package`` (version and source), and the registry
+    entry to change. It stays a failure: the registry must say which versions have the bug."""
+    name = known_bug_name(bug) or "(unregistered)"
+    version = package_version(bug.package)
+    parsed = parse_version(version)
+    public = parsed.public if parsed is not None else version
+    source = package_source(bug.package)
+    where = f"{bug.package} {version}" + (f" ({source})" if source else "")
+    now = f" (now {bug.fixed_in!r})" if bug.fixed_in else ""
+    return (
+        f"known bug {name} no longer reproduces with {where}: the test passed where the registry "
+        f"expects it to fail; if this {bug.package} has the upstream fix, set fixed_in={public!r}{now} "
+        f"for {name} in pytest_megatron_fsdp/fsdp/versions.py"
+    )
 
 
 # -- Megatron-LM checkpoint layout --------------------------------------------------------------
@@ -368,15 +503,20 @@ def megatron_lm_fsdp_dtensor_handlers() -> MegatronLMHandlers | None:
 
 
 def megatron_lm_training_installed() -> bool:
-    """Whether ``megatron.training`` (Megatron-LM's training loop and checkpointing) is installed: the
-    megatron-core 0.19 wheel ships it, 0.16's does not. Looks for the file: importing
-    ``megatron.training`` would import all of megatron-core (at collection, before any CUDA emulation)."""
-    import os
+    """Whether ``megatron.training`` (Megatron-LM's training loop and checkpointing) is importable with
+    its ``checkpointing`` module: the megatron-core wheels from 0.19 ship it, 0.16's does not, a
+    Megatron-LM checkout installed editable or from its directory has it.
+
+    Asks the import system (``find_spec``), so every finder counts, an editable install's included
+    (its finder maps ``megatron.training`` to the checkout; the namespace package ``megatron`` then
+    lists no directory). ``find_spec("megatron.training")`` imports only the parent ``megatron``, a
+    namespace package without code; importing ``megatron.training`` itself would import all of
+    megatron-core (at collection, before any CUDA emulation)."""
     from importlib import util
 
     try:
-        spec = util.find_spec("megatron")
+        spec = util.find_spec("megatron.training")
     except (ImportError, ValueError):
         return False
     roots = spec.submodule_search_locations if spec is not None else None
-    return any(os.path.isfile(os.path.join(root, "training", "checkpointing.py")) for root in roots or ())
+    return any(os.path.isfile(os.path.join(root, "checkpointing.py")) for root in roots or ())

@@ -128,11 +128,16 @@ def headlined_failure(item: pytest.Item, text: str) -> ExceptionChainRepr:
     return ExceptionChainRepr([(body, headline, None)])
 
 
+#: how pytest's failure text of a strict xfail that passed begins
+_XPASS_STRICT = "[XPASS(strict)]"
+
+
 def failure_text(failures: dict[int, str], passing: list[int], log_dir: Path) -> str:
     """The failure report of one phase: each distinct error once, under every rank that raised it.
 
     Collective assertions raise the same message on every rank; printing it per rank only buries
     what differs. Ranks with the same text share one block, whose header names all their logs.
+    A strict xfail that passed on every failing rank alike headlines with its own line.
     """
     by_error: dict[str, list[int]] = {}
     for rank in sorted(failures):
@@ -145,6 +150,9 @@ def failure_text(failures: dict[int, str], passing: list[int], log_dir: Path) ->
     if passing:
         summary += f" (passed on {', '.join(map(str, passing))})"
     parts = [summary]
+    if len(by_text) == 1 and next(iter(by_text)).startswith(_XPASS_STRICT):
+        # a strict xfail that passed has no traceback, only what it says: that is the headline
+        parts = [f"{next(iter(by_text)).splitlines()[0]} ({summary})"]
     for text, ranks in by_text.items():
         logs = ", ".join(str(log_dir / f"rank{rank}.log") for rank in ranks)
         parts.append(f"---------- {_ranks(ranks)} ({'logs' if len(ranks) > 1 else 'log'}: {logs}) ----------")

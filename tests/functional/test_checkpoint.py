@@ -648,7 +648,8 @@ def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
 
 @pytest.mark.skipif(
     not versions.megatron_lm_training_installed(),
-    reason="megatron.training (Megatron-LM's checkpointing) is not in this megatron-core wheel (0.16's)",
+    reason="megatron.training.checkpointing (Megatron-LM's) is not importable with this megatron-core "
+    "(0.16.1's wheel does not ship it; 0.19.2's and a Megatron-LM checkout, MEGATRON_CORE='-e PATH', do)",
 )
 def test_megatron_lms_own_preprocessing_gives_the_same_keys(known_bug, megatron_fsdp_run, run_config):
     """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` on this run, against the harness's layout

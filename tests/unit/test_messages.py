@@ -186,3 +186,13 @@ def test_xfail_reasons_are_short_and_name_the_bug_and_its_upstream_reference():
     assert conftest.short_reason(KNOWN_BUGS["no_shard_param_sync"]) == (
         "upstream bug no_shard_param_sync (Megatron-LM PR #3754; fixed in megatron-core 0.18)"
     )
+
+
+def test_a_strict_xfail_that_passed_on_every_rank_headlines_with_its_own_line():
+    line = "[XPASS(strict)] known bug x no longer reproduces with megatron-core 0.20.0: set fixed_in='0.20.0'"
+    text = failure_text({0: line, 1: line}, [], LOGS)
+    assert text.splitlines()[0] == f"{line} (failed on ranks 0, 1 (same error))"
+    # an ordinary one-line failure keeps the ranks' summary as its headline
+    assert (
+        failure_text({0: "boom", 1: "boom"}, [], LOGS).splitlines()[0] == "failed on ranks 0, 1 (same error)"
+    )
