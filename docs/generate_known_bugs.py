@@ -31,13 +31,9 @@ pass. A version difference lives only in `pytest_megatron_fsdp/fsdp/versions.py`
 _CITATION = re.compile(r"(?:Megatron-(?:LM|Bridge) )?(?:PR|issue) #\d+")
 
 
-def _version(numbers: tuple[int, ...]) -> str:
-    return ".".join(map(str, numbers))
-
-
 def _affected(bug) -> str:  # noqa: ANN001 (a versions.KnownBug)
-    low = "" if bug.first == (0,) else f">= {_version(bug.first)}"
-    high = f"< {_version(bug.fixed_in)}" if bug.fixed_in else ""
+    low = "" if bug.first == "0" else f">= {bug.first}"
+    high = f"< {bug.fixed_in}" if bug.fixed_in else ""
     span = ", ".join(part for part in (low, high) if part) or "(all releases so far)"
     extra = " (and only when the registry's `only_if` condition holds, see below)" if bug.only_if else ""
     return f"{bug.package} {span}{extra}"
@@ -99,7 +95,7 @@ def render(root: Path = ROOT) -> str:
     sections: list[str] = []
     for key, bug in versions.KNOWN_BUGS.items():
         constant = constants.get(id(bug), "")
-        fixed = f"{bug.package} {_version(bug.fixed_in)}" if bug.fixed_in else "no release yet"
+        fixed = f"{bug.package} {bug.fixed_in}" if bug.fixed_in else "no release yet"
         cites = "; ".join(dict.fromkeys(_CITATION.findall(bug.reason))) or "none found"
         lines.append(f"| [`{key}`](#{key}) | {_affected(bug)} | {fixed} | {cites} |")
         shown = tests_showing(root, constant, key) if constant else []
