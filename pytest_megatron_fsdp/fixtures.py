@@ -91,11 +91,39 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
             # the distributed optimizer, parameter gathering cannot overlap (validate() says why).
             cfg.ddp.use_distributed_optimizer = False
             cfg.ddp.overlap_param_gather = False
+    if kwargs.get("megatron_fsdp_version") is not None:
+        use_megatron_fsdp_version(cfg, kwargs["megatron_fsdp_version"])
+    if kwargs.get("hybrid"):
+        use_hybrid_model(cfg)
     for assignment in options.resolve(request.config, "set", kwargs.get("set")):
         try:
             cfg.assign(assignment)
         except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
             pytest.fail(f"{request.node.nodeid}: mfsdp_config marker: {exc}", pytrace=False)
+    return cfg
+
+
+def use_megatron_fsdp_version(cfg: RunConfig, version: int) -> RunConfig:
+    """Megatron-FSDP ``version`` (1 or 2) for ``cfg``; skips the test, with the reason in one line,
+    where the installed megatron-core has no V2. Also ``@pytest.mark.mfsdp_config(megatron_fsdp_version=2)``.
+    """
+    from .fsdp import versions
+
+    if version == 2 and (problem := versions.megatron_fsdp_v2_problem()):
+        pytest.skip(problem)
+    cfg.ddp.megatron_fsdp_version = version
+    return cfg
+
+
+def use_hybrid_model(cfg: RunConfig) -> RunConfig:
+    """The small model as a ``HybridModel`` (the ``tiny-hybrid`` preset: pattern ``*-*-``); skips the
+    test, with the reason in one line, where megatron-core has no HybridModel. Also
+    ``@pytest.mark.mfsdp_config(hybrid=True)``."""
+    from .fsdp import versions
+
+    if problem := versions.hybrid_model_problem():
+        pytest.skip(problem)
+    cfg.model.preset = "tiny-hybrid"
     return cfg
 
 

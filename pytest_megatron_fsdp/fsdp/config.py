@@ -534,6 +534,13 @@ def validate(
             f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r} save/load here needs Megatron-FSDP "
             "(dist.use_megatron_fsdp=True): fsdp_dtensor checkpoints hold Megatron-FSDP's DTensors"
         )
+    if purpose != "build" and cfg.ddp.megatron_fsdp_version == 2:
+        raise ConfigError(
+            f"ddp.megatron_fsdp_version=2 with checkpoint {purpose}: this harness's fsdp_dtensor "
+            "checkpoints hold V1's distributed-optimizer state, and V2's FullyShardedOptimizer has no "
+            "state dict; save V2 with fsdp.checkpoint_v2.save_dcp / load_dcp (DCP), or set "
+            "ddp.megatron_fsdp_version=1"
+        )
     if purpose != "build" and cfg.checkpoint.ckpt_format != "fsdp_dtensor":
         raise ConfigError(
             f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r}: only 'fsdp_dtensor' is implemented "

@@ -286,7 +286,9 @@ def _local_norm_hybrid_stack(norm: Any) -> type:
     from megatron.core.transformer.spec_utils import build_module
 
     class LocalNormHybridStack(HybridStack):
-        def __init__(self, config: TransformerConfig, *args: Any, post_layer_norm: bool = True, **kwargs: Any):
+        def __init__(
+            self, config: TransformerConfig, *args: Any, post_layer_norm: bool = True, **kwargs: Any
+        ):
             super().__init__(config, *args, post_layer_norm=False, **kwargs)
             self.post_layer_norm = post_layer_norm
             if self.post_process and post_layer_norm:

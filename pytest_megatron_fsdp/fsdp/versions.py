@@ -259,7 +259,9 @@ def megatron_fsdp_v2_refusal(
     try:
         FullyShardedDataParallelV2._validate_config(config, ddp_config, torch.nn.Module(), groups, False)
     except ValueError as exc:
-        return f"megatron-core {package_version('megatron-core')}'s FullyShardedDataParallelV2 refuses it: {exc}"
+        return (
+            f"megatron-core {package_version('megatron-core')}'s FullyShardedDataParallelV2 refuses it: {exc}"
+        )
     return None
 
 
