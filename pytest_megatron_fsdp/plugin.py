@@ -225,6 +225,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and torchrun.rank == 0:
         reporter.write_line(rank_session.header(versions.stack_description()))
+        if missing := versions.missing_features_line():
+            reporter.write_line(missing)
 
 
 def _plan_plain_session(session: pytest.Session) -> None:
@@ -255,6 +257,8 @@ def _plan_plain_session(session: pytest.Session) -> None:
             + "; ".join(lines)
             + f"; {versions.stack_description()}"
         )
+        if missing := versions.missing_features_line():
+            reporter.write_line(missing)
 
 
 @pytest.hookimpl(wrapper=True)
