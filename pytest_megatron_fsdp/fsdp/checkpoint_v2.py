@@ -44,12 +44,22 @@ def v2_parts(run: TrainingRun) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return run.model.module, run.optimizer.optimizer
 
 
+def _below_float16(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside megatron-core's ``Float16Module`` (bf16 runs): its ``state_dict`` is the
+    inner model's, without the ``module.`` prefix, so DCP's ``get_model_state_dict``, which walks
+    the names from the module it is given, must be given the inner model (V2 shards the parameters
+    in place: they are the inner model's all the same)."""
+    from megatron.core.transformer.module import Float16Module
+
+    return module.module if isinstance(module, Float16Module) else module
+
+
 def _model_state(module: torch.nn.Module) -> dict:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor,
     )
 
-    state = get_model_state_dict(module)
+    state = get_model_state_dict(_below_float16(module))
     # V2 packs several parameters into one flat buffer with row padding: a parameter's shards do
     # not tile like torch's Shard(0), and DCP must be told each shard's true offsets
     preprocess_state_dict_for_uneven_dtensor(state)
@@ -72,7 +82,7 @@ def load_dcp(run: TrainingRun, checkpoint_dir: str | os.PathLike[str]) -> None:
     module, _ = v2_parts(run)
     state = _model_state(module)
     dcp.load({"model": state}, checkpoint_id=checkpoint_dir)
-    set_model_state_dict(module, state)
+    set_model_state_dict(_below_float16(module), state)
     sync_model_weights_from_main_weights(module.parameters())
 
 

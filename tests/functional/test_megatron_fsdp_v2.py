@@ -106,15 +106,18 @@ def _model_shards(run):
 
 
 @pytest.mark.distributed(world_size=2)
-def test_v2_dcp_round_trip_is_exact(megatron_fsdp_run, run_config, checkpoint_dir):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_v2_dcp_round_trip_is_exact(megatron_fsdp_run, run_config, checkpoint_dir, bf16):
     """V2's model state through DCP (the steps of its experimental save_checkpoint/load_checkpoint,
     Megatron-LM PR #6024) loads into a fresh, differently initialised run bit for bit, and the
     loaded run computes the saved run's loss on the same batch: its compute weights were refreshed
-    from the loaded shards, not only the shards themselves."""
+    from the loaded shards, not only the shards themselves (with bf16 the compute weights are a
+    bf16 copy of the fp32 main weights; with fp32 V2 computes on the main weights' values)."""
     from pytest_megatron_fsdp.checkpoint import assert_states_differ, assert_states_equal
     from pytest_megatron_fsdp.fsdp.checkpoint_v2 import load_dcp, save_dcp
 
     use_megatron_fsdp_version(run_config, 2)
+    run_config.model.bf16 = bf16
     run = megatron_fsdp_run(run_config)
     run.train(ITERS)
     save_dcp(run, checkpoint_dir)
