@@ -81,7 +81,8 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     cfg.model.tensor_model_parallel_size = spec.tp
     cfg.model.pipeline_model_parallel_size = spec.pp
     cfg.model.context_parallel_size = spec.cp
-    # --mfsdp-use-megatron-fsdp / --mfsdp-set, or @pytest.mark.mfsdp_config(use_megatron_fsdp=, set=)
+    # --mfsdp-use-megatron-fsdp / --mfsdp-set, or @pytest.mark.mfsdp_config(use_megatron_fsdp=, set=,
+    # megatron_fsdp_version=, hybrid=)
     config_marker = request.node.get_closest_marker("mfsdp_config")
     kwargs = dict(config_marker.kwargs) if config_marker else {}
     if not options.resolve(request.config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")):
@@ -91,15 +92,16 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
             # the distributed optimizer, parameter gathering cannot overlap (validate() says why).
             cfg.ddp.use_distributed_optimizer = False
             cfg.ddp.overlap_param_gather = False
-    if kwargs.get("megatron_fsdp_version") is not None:
-        use_megatron_fsdp_version(cfg, kwargs["megatron_fsdp_version"])
-    if kwargs.get("hybrid"):
-        use_hybrid_model(cfg)
     for assignment in options.resolve(request.config, "set", kwargs.get("set")):
         try:
             cfg.assign(assignment)
         except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
             pytest.fail(f"{request.node.nodeid}: mfsdp_config marker: {exc}", pytrace=False)
+    # the marker's choices win over --mfsdp-set, as its set= does; each skips where missing
+    if kwargs.get("megatron_fsdp_version") is not None:
+        use_megatron_fsdp_version(cfg, kwargs["megatron_fsdp_version"])
+    if kwargs.get("hybrid"):
+        use_hybrid_model(cfg)
     return cfg
 
 
