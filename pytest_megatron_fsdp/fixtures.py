@@ -81,7 +81,8 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     cfg.model.tensor_model_parallel_size = spec.tp
     cfg.model.pipeline_model_parallel_size = spec.pp
     cfg.model.context_parallel_size = spec.cp
-    # --mfsdp-use-megatron-fsdp / --mfsdp-set, or @pytest.mark.mfsdp_config(use_megatron_fsdp=, set=)
+    # --mfsdp-use-megatron-fsdp / --mfsdp-set, or @pytest.mark.mfsdp_config(use_megatron_fsdp=, set=,
+    # megatron_fsdp_version=, hybrid=)
     config_marker = request.node.get_closest_marker("mfsdp_config")
     kwargs = dict(config_marker.kwargs) if config_marker else {}
     if not options.resolve(request.config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")):
@@ -96,6 +97,35 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
             cfg.assign(assignment)
         except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
             pytest.fail(f"{request.node.nodeid}: mfsdp_config marker: {exc}", pytrace=False)
+    # the marker's choices win over --mfsdp-set, as its set= does; each skips where missing
+    if kwargs.get("megatron_fsdp_version") is not None:
+        use_megatron_fsdp_version(cfg, kwargs["megatron_fsdp_version"])
+    if kwargs.get("hybrid"):
+        use_hybrid_model(cfg)
+    return cfg
+
+
+def use_megatron_fsdp_version(cfg: RunConfig, version: int) -> RunConfig:
+    """Megatron-FSDP ``version`` (1 or 2) for ``cfg``; skips the test, with the reason in one line,
+    where the installed megatron-core has no V2. Also ``@pytest.mark.mfsdp_config(megatron_fsdp_version=2)``.
+    """
+    from .fsdp import versions
+
+    if version == 2 and (problem := versions.megatron_fsdp_v2_problem()):
+        pytest.skip(problem)
+    cfg.ddp.megatron_fsdp_version = version
+    return cfg
+
+
+def use_hybrid_model(cfg: RunConfig) -> RunConfig:
+    """The small model as a ``HybridModel`` (the ``tiny-hybrid`` preset: pattern ``*-*-``); skips the
+    test, with the reason in one line, where megatron-core has no HybridModel. Also
+    ``@pytest.mark.mfsdp_config(hybrid=True)``."""
+    from .fsdp import versions
+
+    if problem := versions.hybrid_model_problem():
+        pytest.skip(problem)
+    cfg.model.preset = "tiny-hybrid"
     return cfg
 
 

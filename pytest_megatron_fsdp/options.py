@@ -300,15 +300,15 @@ def _parse(option: Option, raw: Any, source: str) -> Any:
 def check_all(config: pytest.Config) -> dict[str, Any]:
     """Resolve every option once, so a bad value anywhere fails at configure time."""
     values = {name: resolve(config, name) for name in OPTIONS}
-    if values["set"]:
+    if values["set"] or values["preset"]:
         _check_run_config(config, values)
     return values
 
 
 def _check_run_config(config: pytest.Config, values: dict[str, Any]) -> None:
-    """The ``--mfsdp-set`` assignments together, on the config every test starts from: every rule
-    of ``validate()`` that needs no rank (choices, ranges, fields that must agree), so a bad value
-    is one line now instead of a failure inside every rank.
+    """The ``--mfsdp-set`` assignments together (or the chosen preset alone), on the config every
+    test starts from: every rule of ``validate()`` that needs no rank (choices, ranges, fields that
+    must agree), so a bad value is one line now instead of a failure inside every rank.
 
     The platform, and with it the default preset, may only be decided later (``auto``): then the
     config is checked as each candidate platform would build it, and refused only when every one
@@ -329,7 +329,8 @@ def _check_run_config(config: pytest.Config, values: dict[str, Any]) -> None:
             continue
         return
     source, _ = _multiple_source(config, OPTIONS["set"])
-    raise OptionError(f"{source}: {problems[0]}")
+    # no --mfsdp-set: the preset alone is refused (e.g. a HybridModel preset without HybridModel)
+    raise OptionError(f"{source or OPTIONS['preset'].flag}: {problems[0]}")
 
 
 def starting_config(preset: str, use_megatron_fsdp: bool, platform: str) -> RunConfig:

@@ -141,8 +141,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", marker.MARKER_HELP)
     config.addinivalue_line(
         "markers",
-        "mfsdp_config(use_megatron_fsdp=None, set=()): run_config overrides for one test "
-        "(wins over --mfsdp-use-megatron-fsdp / --mfsdp-set)",
+        "mfsdp_config(use_megatron_fsdp=None, set=(), megatron_fsdp_version=None, hybrid=False): "
+        "run_config overrides for one test (wins over --mfsdp-use-megatron-fsdp / --mfsdp-set); "
+        "megatron_fsdp_version=2 and hybrid=True skip where megatron-core lacks V2 / HybridModel",
     )
     values = config.stash[options.OPTION_VALUES] = options.check_all(config)
     config.stash[RANK_SESSION] = None
@@ -225,6 +226,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and torchrun.rank == 0:
         reporter.write_line(rank_session.header(versions.stack_description()))
+        if missing := versions.missing_features_line():
+            reporter.write_line(missing)
 
 
 def _plan_plain_session(session: pytest.Session) -> None:
@@ -255,6 +258,8 @@ def _plan_plain_session(session: pytest.Session) -> None:
             + "; ".join(lines)
             + f"; {versions.stack_description()}"
         )
+        if missing := versions.missing_features_line():
+            reporter.write_line(missing)
 
 
 @pytest.hookimpl(wrapper=True)

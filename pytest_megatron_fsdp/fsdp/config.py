@@ -77,6 +77,10 @@ class DDPSection:
     #: None: megatron's default (True: the average fused into the reduction as NCCL's PREMUL_SUM,
     #: which the CUDA-on-CPU emulation provides over gloo)
     gradient_reduce_div_fusion: bool | None = None
+    #: Megatron-FSDP's implementation, where megatron-core's FullyShardedDataParallel is a factory
+    #: (Megatron-LM PR #5865): 1, or 2 (V2: its own FullyShardedOptimizer, which refuses the
+    #: distributed optimizer, so ``use_distributed_optimizer`` is not used with 2)
+    megatron_fsdp_version: int = 1
     #: any other DistributedDataParallelConfig field (checked against megatron's when the run is built)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -487,6 +491,7 @@ def validate(
     _check_values(cfg)
     preset = cfg.resolved_preset()
     _check_recipe(cfg, preset)
+    _check_hybrid_pattern(preset)
     if world_size is not None and cfg.train.global_batch_size is not None:
         micro, micro_batches = preset.micro_batch_size, preset.num_microbatches
         dp = world_size // cfg.model_parallel_size
@@ -502,7 +507,9 @@ def validate(
             "ddp.average_in_collective=True is not supported with Megatron-FSDP; "
             "switching it to False (as Megatron does)"
         )
-    if fsdp and not cfg.ddp.use_distributed_optimizer:
+    if fsdp and cfg.ddp.megatron_fsdp_version == 2 and (problem := versions.megatron_fsdp_v2_problem()):
+        raise ConfigError(f"ddp.megatron_fsdp_version=2: {problem}; set ddp.megatron_fsdp_version=1")
+    if fsdp and cfg.ddp.megatron_fsdp_version == 1 and not cfg.ddp.use_distributed_optimizer:
         warnings.append(
             "ddp.use_distributed_optimizer=False: Megatron-FSDP requires the distributed optimizer; "
             "switching it on (as Megatron does)"
@@ -527,6 +534,13 @@ def validate(
             f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r} save/load here needs Megatron-FSDP "
             "(dist.use_megatron_fsdp=True): fsdp_dtensor checkpoints hold Megatron-FSDP's DTensors"
         )
+    if purpose != "build" and cfg.ddp.megatron_fsdp_version == 2:
+        raise ConfigError(
+            f"ddp.megatron_fsdp_version=2 with checkpoint {purpose}: this harness's fsdp_dtensor "
+            "checkpoints hold V1's distributed-optimizer state, and V2's FullyShardedOptimizer has no "
+            "state dict; save V2 with fsdp.checkpoint_v2.save_dcp / load_dcp (DCP), or set "
+            "ddp.megatron_fsdp_version=1"
+        )
     if purpose != "build" and cfg.checkpoint.ckpt_format != "fsdp_dtensor":
         raise ConfigError(
             f"checkpoint.ckpt_format={cfg.checkpoint.ckpt_format!r}: only 'fsdp_dtensor' is implemented "
@@ -545,6 +559,32 @@ def validate(
             "ddp.use_distributed_optimizer=False"
         )
     return warnings
+
+
+#: the HybridModel layer symbols the harness builds (local, non-Transformer-Engine specs)
+HYBRID_SYMBOLS = {"*": "self-attention", "-": "MLP"}
+
+
+def _check_hybrid_pattern(preset: ModelPreset) -> None:
+    pattern = preset.hybrid_layer_pattern
+    if pattern is None:
+        return
+    shown = f"model.hybrid_layer_pattern={pattern!r}"
+    if problem := versions.hybrid_model_problem():
+        raise ConfigError(f"{shown}: {problem}; set model.hybrid_layer_pattern=None (a GPTModel)")
+    unknown = sorted(set(pattern) - set(HYBRID_SYMBOLS))
+    if not pattern or unknown:
+        raise ConfigError(
+            f"{shown}: the harness builds "
+            f"{' and '.join(f'{k!r} ({v})' for k, v in HYBRID_SYMBOLS.items())} layers only"
+            + (f", not {unknown[0]!r}" if unknown else "")
+            + "; write a pattern such as '*-*-'"
+        )
+    if preset.num_layers != len(pattern):
+        raise ConfigError(
+            f"{shown} has {len(pattern)} layers but model.num_layers={preset.num_layers}: a HybridModel "
+            f"has one layer per symbol; set model.num_layers={len(pattern)}"
+        )
 
 
 def _choice(dotted: str, value: Any, choices: tuple[str, ...], none_ok: bool = False) -> None:
@@ -567,6 +607,11 @@ def _check_values(cfg: RunConfig) -> None:
     """Each field on its own: choices and ranges (no rank, no other field needed)."""
     ddp, model, train = cfg.ddp, cfg.model, cfg.train
     _choice("ddp.outer_dp_sharding_strategy", ddp.outer_dp_sharding_strategy, OUTER_SHARDING_STRATEGIES)
+    if ddp.megatron_fsdp_version not in (1, 2):
+        raise ConfigError(
+            f"ddp.megatron_fsdp_version={ddp.megatron_fsdp_version!r}: Megatron-FSDP versions are 1 and 2; "
+            "set ddp.megatron_fsdp_version=1 (or 2 where megatron-core has V2)"
+        )
     _at_least("ddp.bucket_size", ddp.bucket_size, 1, none_ok=True)
     _at_least("ddp.num_distributed_optimizer_instances", ddp.num_distributed_optimizer_instances, 1)
     _at_least("ddp.suggested_communication_unit_size", ddp.suggested_communication_unit_size, 1, none_ok=True)

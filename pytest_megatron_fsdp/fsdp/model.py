@@ -84,12 +84,26 @@ def ddp_config(cfg: RunConfig, env: DistEnv) -> DistributedDataParallelConfig:
         from megatron.core.distributed import TorchFullyShardedDataParallelConfig
 
         config_class = TorchFullyShardedDataParallelConfig
+    if fields["megatron_fsdp_version"] == 1 and "megatron_fsdp_version" not in {
+        f.name for f in dataclasses.fields(config_class)
+    }:
+        del fields["megatron_fsdp_version"]  # before V2 (validate() refuses 2 there): V1 only
     return config_class(**fields)
 
 
+def uses_megatron_fsdp_v2(cfg: RunConfig) -> bool:
+    """Megatron-FSDP V2: megatron-core's ``FullyShardedDataParallel`` builds
+    ``FullyShardedDataParallelV2`` and ``get_megatron_optimizer`` its ``FullyShardedOptimizer``."""
+    return cfg.uses_megatron_fsdp and cfg.ddp.megatron_fsdp_version == 2
+
+
 def _uses_distributed_optimizer(cfg: RunConfig, env: DistEnv) -> bool:
+    if uses_megatron_fsdp_v2(cfg):
+        # V2 brings its own FullyShardedOptimizer and refuses the distributed optimizer (its
+        # _validate_config; Megatron-LM's arguments.py asserts it for --megatron-fsdp-version 2)
+        return False
     if cfg.uses_megatron_fsdp:
-        return True  # Megatron-FSDP requires it (validate() warns when the config said otherwise)
+        return True  # Megatron-FSDP V1 requires it (validate() warns when the config said otherwise)
     if cfg.dist.use_torch_fsdp2:
         return False  # FSDP2 shards the parameters itself; Megatron pairs it with the plain optimizer
     return cfg.ddp.use_distributed_optimizer
@@ -173,7 +187,9 @@ def build_scheduler(
     )
 
 
-def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
+def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> torch.nn.Module:
+    """The preset's small model: a ``GPTModel``, or a ``HybridModel`` where the preset has a
+    ``hybrid_layer_pattern`` (validate() refuses one where megatron-core has no HybridModel)."""
     config = transformer_config(cfg, preset, env)
     # Meta-device init (Bridge's perf harness): parameters are materialised by Megatron-FSDP,
     # unit by unit, when it wraps the model (reset_parameters on the target device).
@@ -181,7 +197,10 @@ def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> GPTModel:
         raise ConfigError(problem)  # before building: the wrapper would fail deep inside, later
     meta = torch.device("meta") if cfg.model.init_model_with_meta_device else contextlib.nullcontext()
     with meta:
-        model = _gpt_model(config, preset, env)
+        if preset.hybrid_layer_pattern is None:
+            model = _gpt_model(config, preset, env)
+        else:
+            model = _hybrid_model(config, preset, env)
     if env.platform == "cuda" and not cfg.model.init_model_with_meta_device:
         model.cuda(env.device)
     if preset.bf16:
@@ -217,6 +236,97 @@ def _gpt_model(config: TransformerConfig, preset: ModelPreset, env: DistEnv) -> 
     )
 
 
+def hybrid_stack_spec(preset: ModelPreset, env: DistEnv) -> Any:
+    """The ``HybridStack`` spec for attention (``*``) and MLP (``-``) layers.
+
+    Transformer Engine on GPUs where it imports: megatron-core's own ``hybrid_stack_spec``. Else
+    (CPU ranks) local layers: megatron-core's hybrid specs are Transformer Engine only (their
+    comment: "we had problems getting the non-TE spec working"), so the attention layer takes the
+    local GPT layer's attention half and the MLP layer its MLP half (``get_gpt_layer_local_spec``),
+    and the stack's final norm, which ``HybridStack`` always builds as ``TENorm``, is the local GPT
+    layer's norm (:func:`_local_norm_hybrid_stack`). Mamba, GDN and MoE layers are not built here.
+    """
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    if uses_transformer_engine(env):
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_spec
+
+        return te_spec
+    gpt = get_gpt_layer_local_spec(normalization=preset.normalization).submodules
+    attention = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=gpt.input_layernorm,
+            self_attention=gpt.self_attention,
+            self_attn_bda=gpt.self_attn_bda,
+        ),
+    )
+    mlp = ModuleSpec(
+        module=MLPLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda
+        ),
+    )
+    return ModuleSpec(
+        module=_local_norm_hybrid_stack(gpt.input_layernorm),
+        submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp),
+    )
+
+
+def _local_norm_hybrid_stack(norm: Any) -> type:
+    """``HybridStack`` with ``norm`` (a local norm spec) as its final norm instead of ``TENorm``.
+
+    The stack is built without its final norm, which is then added under the same name
+    (``decoder.final_norm``): its forward applies it exactly where it would apply ``TENorm``.
+    """
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+    from megatron.core.transformer.spec_utils import build_module
+
+    class LocalNormHybridStack(HybridStack):
+        def __init__(
+            self, config: TransformerConfig, *args: Any, post_layer_norm: bool = True, **kwargs: Any
+        ):
+            super().__init__(config, *args, post_layer_norm=False, **kwargs)
+            self.post_layer_norm = post_layer_norm
+            if self.post_process and post_layer_norm:
+                self.final_norm = build_module(
+                    norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+                )
+
+    return LocalNormHybridStack
+
+
+def _hybrid_model(config: TransformerConfig, preset: ModelPreset, env: DistEnv) -> torch.nn.Module:
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=hybrid_stack_spec(preset, env),
+        vocab_size=preset.padded_vocab_size,
+        max_sequence_length=preset.seq_length,
+        hybrid_layer_pattern=preset.hybrid_layer_pattern,
+        share_embeddings_and_output_weights=not preset.untie_embeddings_and_output_weights,
+        position_embedding_type=preset.position_embedding_type,
+        rotary_base=preset.rotary_base,
+    )
+
+
+def wrapper_device(cfg: RunConfig, env: DistEnv) -> torch.device:
+    """The device the Megatron-FSDP wrapper is told it runs on.
+
+    V2 requires a CUDA device (``fully_shard_context``: "requires a CUDA device, got cpu"). On CPU
+    ranks the CUDA-on-CPU emulation is that device: told ``cuda``, V2 makes its streams and events
+    (no-ops there), its device meshes (built on the CPU) and its buffers (allocated on the CPU, the
+    emulation rewriting ``device="cuda"``). V1 takes the rank's own device.
+    """
+    if env.platform == "cpu" and uses_megatron_fsdp_v2(cfg):
+        return torch.device("cuda", 0)
+    return torch.device(env.device)
+
+
 def wrap_data_parallel(cfg: RunConfig, model: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
     """Bridge's ``_ddp_wrap``: the data-parallel wrapper the config asks for."""
     config = model.config
@@ -227,7 +337,7 @@ def wrap_data_parallel(cfg: RunConfig, model: torch.nn.Module, env: DistEnv) -> 
             config=config,
             ddp_config=ddp_cfg,
             module=model,
-            device=torch.device(env.device),
+            device=wrapper_device(cfg, env),
             pg_collection=pg_collection,
         )
     if cfg.dist.use_torch_fsdp2:

@@ -75,6 +75,10 @@ class ModelPreset:
     #: few steps by a small vocabulary) or "mock-gpt" (Megatron's mock GPT documents, as Bridge's
     #: functional test trains; see fsdp.training)
     data: str = "counting"
+    #: None: a ``GPTModel``. A pattern: a ``HybridModel`` (megatron-core 0.19 and later), one layer per
+    #: symbol, ``*`` self-attention and ``-`` MLP (``*-`` per GPT block: the layout Megatron-LM's
+    #: hybrid-model migration guide gives GPT users); ``num_layers`` is the pattern's length
+    hybrid_layer_pattern: str | None = None
     #: extra TransformerConfig fields
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
     #: the optimizer and learning-rate schedule
@@ -105,6 +109,20 @@ PRESETS: dict[str, ModelPreset] = {
         # Megatron DDP's bit for bit, and a clip coefficient computed from a norm that the two
         # wrappers sum in a different order differs in the last bits (set optimizer.clip_grad to clip).
         recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),
+    ),
+    "tiny-hybrid": ModelPreset(
+        name="tiny-hybrid",
+        description="the tiny GPT as a HybridModel: pattern *-*- (attention, MLP, attention, MLP)",
+        num_layers=4,
+        hybrid_layer_pattern="*-*-",
+        hidden_size=64,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=4,
+        vocab_size=128,
+        seq_length=32,
+        micro_batch_size=2,
+        recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),  # as tiny's: exact parity with DDP
     ),
     "bridge-reference": ModelPreset(
         name="bridge-reference",

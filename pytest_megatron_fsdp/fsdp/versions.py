@@ -279,6 +279,95 @@ def megatron_fsdp_wrapper_types(wrapper: Any = None) -> tuple[type, ...]:
     return found
 
 
+# -- Megatron-FSDP V2 and HybridModel -----------------------------------------------------------
+
+
+def megatron_fsdp_v2_problem() -> str | None:
+    """Why this megatron-core cannot build Megatron-FSDP V2, in one line (None: it can).
+
+    V2 is chosen by ``DistributedDataParallelConfig.megatron_fsdp_version=2`` (Megatron-LM PR
+    #5865, after megatron-core 0.19): a feature check on that field, read from the dataclass
+    definition without importing megatron (the plugin asks at collection time). Looked up through
+    ``megatron.core``'s own spec, which an editable install of a Megatron-LM checkout answers too.
+    """
+    fields = _dataclass_fields("megatron.core", (_DDP_SOURCE,), {"DistributedDataParallelConfig"})
+    if fields is not None and "megatron_fsdp_version" in fields:
+        return None
+    return (
+        f"megatron-core {package_version('megatron-core')} has no Megatron-FSDP V2 "
+        "(DistributedDataParallelConfig.megatron_fsdp_version, Megatron-LM PR #5865)"
+    )
+
+
+def megatron_fsdp_v2_refusal(
+    strategy: str, outer_strategy: str = "no_shard", optimizer_instances: int = 1
+) -> str | None:
+    """Why this megatron-core's ``FullyShardedDataParallelV2`` refuses a sharding layout, in one
+    line (None: it accepts it): the wrapper's own config check, asked with a stand-in model.
+
+    Megatron-LM main of 2026-08-22 accepts ``optim_grads_params`` only, with no outer (HSDP)
+    sharding; no_shard/ZeRO-1/ZeRO-2 and HSDP are upstream work in progress (PR #6137, #5743,
+    #5972, #6873). Asking the check itself keeps this true as upstream widens it. Imports megatron
+    (call it inside a rank, where V2 exists: see :func:`megatron_fsdp_v2_problem`).
+    """
+    import types
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallelV2
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        megatron_fsdp_version=2,
+        data_parallel_sharding_strategy=strategy,
+        outer_dp_sharding_strategy=outer_strategy,
+        num_distributed_optimizer_instances=optimizer_instances,
+    )
+    groups = types.SimpleNamespace(dp_cp=None, tp=None, pp=None, cp=None, ep=None, expt_dp=None)
+    try:
+        FullyShardedDataParallelV2._validate_config(config, ddp_config, torch.nn.Module(), groups, False)
+    except ValueError as exc:
+        return (
+            f"megatron-core {package_version('megatron-core')}'s FullyShardedDataParallelV2 refuses it: {exc}"
+        )
+    return None
+
+
+def hybrid_model_problem() -> str | None:
+    """Why this megatron-core cannot build a ``HybridModel``, in one line (None: it can).
+
+    ``megatron.core.models.hybrid`` (``HybridModel`` with ``hybrid_layer_pattern``) ships in
+    megatron-core 0.19.2 and on main, not in 0.16.1. Looks for the file through ``megatron.core``'s
+    spec (editable installs included): importing it would import megatron at collection time.
+    """
+    import os
+    from importlib import util
+
+    try:
+        spec = util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        spec = None
+    roots = spec.submodule_search_locations if spec is not None else None
+    hybrid = os.path.join("models", "hybrid", "hybrid_model.py")
+    if any(os.path.isfile(os.path.join(root, hybrid)) for root in roots or ()):
+        return None
+    return (
+        f"megatron-core {package_version('megatron-core')} has no HybridModel "
+        "(megatron/core/models/hybrid/hybrid_model.py)"
+    )
+
+
+def missing_features_line() -> str | None:
+    """The session header's line for what this megatron-core lacks of V2 and HybridModel (their
+    tests skip, one line each); None when it has both."""
+    problems = [p for p in (megatron_fsdp_v2_problem(), hybrid_model_problem()) if p]
+    if not problems:
+        return None
+    return "megatron-fsdp: " + "; ".join(problems) + ": those tests skip"
+
+
 # -- known upstream bugs ------------------------------------------------------------------------
 
 

@@ -11,6 +11,8 @@ device arguments were all it took). This module gives them those meanings and no
 * ``DeviceMesh`` requests for ``cuda`` become ``cpu`` meshes;
 * a torch function mode rewrites ``device="cuda"`` / ``device=<int>`` arguments of tensor
   factories and ``Tensor.to``/``Tensor.cuda`` to the CPU;
+* V2's ``DBuffer`` learns that a CPU buffer is on the device (its ``is_cuda`` read; see
+  :data:`CUDA_DEVICE_CHECKERS`), so it records the stream it was allocated on as V2 asserts later;
 * the one CUDA type check megatron's gradient clipping makes (``clip_grad_by_total_norm_fp32``
   asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``, i.e. an fp32 gradient on the device)
   is answered for the device the emulation provides: to that function's own ``Tensor.type()``
@@ -49,7 +51,15 @@ import torch.distributed.device_mesh as _device_mesh
 import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["enable", "disable", "is_enabled", "emulated", "PATCHED_CUDA_ATTRIBUTES", "CUDA_TYPE_CHECKERS"]
+__all__ = [
+    "enable",
+    "disable",
+    "is_enabled",
+    "emulated",
+    "PATCHED_CUDA_ATTRIBUTES",
+    "CUDA_TYPE_CHECKERS",
+    "CUDA_DEVICE_CHECKERS",
+]
 
 
 class _NullStream:
@@ -205,6 +215,29 @@ CUDA_TYPE_CHECKERS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+#: (module, function) that read a CPU tensor's ``is_cuda`` as True. ``module`` matches the caller's
+#: module name or its tail after a dot (Megatron-FSDP V2 ships both as ``megatron_fsdp`` and inside
+#: megatron-core as ``megatron.core.distributed.fsdp.src.megatron_fsdp``). V2's ``DBuffer`` records the
+#: stream a buffer was allocated on only for a CUDA buffer (``None`` for a CPU one) and later asserts
+#: that it is the current stream; on an emulated rank the buffer *is* on the device, so it records
+#: the emulated (null) stream, which the assertion then finds.
+CUDA_DEVICE_CHECKERS: frozenset[tuple[str, str]] = frozenset(
+    {("megatron_fsdp.experimental.dbuffer", "__init__")}
+)
+
+
+def _asked_by(checkers: frozenset[tuple[str, str]], depth: int = 2) -> bool:
+    caller = sys._getframe(depth)
+    module = caller.f_globals.get("__name__") or ""
+    name = caller.f_code.co_name
+    return any(
+        name == function and (module == owner or module.endswith("." + owner)) for owner, function in checkers
+    )
+
+
+_IS_CUDA_GETTER = torch.Tensor.is_cuda.__get__
+
+
 def cuda_type_name(tensor: torch.Tensor) -> str:
     """``tensor.type()`` as it reads on the emulated device: ``torch.FloatTensor`` ->
     ``torch.cuda.FloatTensor`` (``torch.sparse.X`` -> ``torch.cuda.sparse.X``) for CPU tensors."""
@@ -228,6 +261,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and _asked_by_a_cuda_type_checker():
             return cuda_type_name(args[0])
+        if func == _IS_CUDA_GETTER and len(args) == 1 and _asked_by(CUDA_DEVICE_CHECKERS):
+            return args[0].device.type == "cpu" or func(*args)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
