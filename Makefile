@@ -96,3 +96,17 @@ lint: venv
 
 clean:
 	rm -rf .venv-newest .venv-floor .pytest_cache *.egg-info
+
+# Golden values (Megatron-LM's format) of the functional suite on this stack, recorded again: one
+# file per test under $(GOLDEN_DIR)/<stack>/<platform>/ (the stack named from the installed
+# versions). Recorded into a scratch dir first; only a passing session replaces the directory of the
+# stack and platform it recorded. Compare with: pytest tests/functional --mfsdp-golden=$(GOLDEN_DIR)
+GOLDEN_DIR ?= tests/data/golden
+.PHONY: golden
+golden: venv
+	@$(SCRATCH) && export TMPDIR && set -e; fresh="$$scratch/golden"; \
+	$(PY) -m pytest $(FUNCTIONAL) --mfsdp-golden="$$fresh" --mfsdp-golden-mode=record $(PYTEST_ARGS); \
+	for dir in "$$fresh"/*/*; do \
+		target="$(GOLDEN_DIR)/$${dir#$$fresh/}"; rm -rf "$$target"; mkdir -p "$$(dirname "$$target")"; \
+		cp -r "$$dir" "$$target"; echo "golden values: $$(ls "$$target" | wc -l) files in $$target"; \
+	done

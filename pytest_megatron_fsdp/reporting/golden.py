@@ -24,9 +24,9 @@ How values are compared (:func:`compare`):
   rtol, atol=0)``): ``lm loss`` rtol 0.05, ``num-zeros`` 0.20, ``mem-allocated-bytes`` 0.05, every
   step; up to ``min(max(N // 100, 1), 50)`` of a metric's N steps may be off. ``iteration-time`` is
   one comparison, of the medians over steps 5-20 (30-45 when the golden run is longer than 25
-  steps; failing those, its first 4 steps from the window's start). Megatron-LM errors when a run
-  has no step from 5 on; the runs here are short, so such a run compares the medians of its steps
-  after the first (the warm-up), or of its only step.
+  steps; failing those, its first 4 steps from the window's start). Megatron-LM errors when no
+  step is left; the runs here are short (often under 5 steps), so such a run compares the medians
+  of its steps after the first (the warm-up), or of its only step.
 * Either way, a metric (or a run) that one side has and the other lacks is an error, as are steps
   the golden file has and the run lacks, or the other way round.
 
