@@ -79,6 +79,9 @@ def _lines(source: str, text: str) -> list[int]:
 def _measured(pytester: pytest.Pytester, *test_args: str) -> tuple[pytest.RunResult, dict, str]:
     """A session with ``--cov=ranks_only``: its result, ranks_only.py's measurement and source."""
     pytester.makefile(".toml", pyproject=coverage_settings())
+    # imported by the parent as well (its def lines run there), so that there is always data to
+    # report: what only the ranks ran is then what tells
+    pytester.makeconftest("import ranks_only  # noqa: F401")
     pytester.makepyfile(ranks_only=RANKS_ONLY, test_on_ranks=TESTS)
     result = pytester.runpytest_subprocess(
         "-p",
