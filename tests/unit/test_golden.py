@@ -358,9 +358,23 @@ def test_a_session_records_compares_and_fails_on_a_changed_loss(pytester, isolat
     )
 
 
-def test_compare_mode_without_the_directory_is_one_usage_line(pytester, isolated_tmp):
+@pytest.mark.parametrize(
+    "how, source",
+    [("flag", "--mfsdp-golden=nowhere"), ("env", "environment variable MFSDP_GOLDEN=nowhere")],
+)
+def test_compare_mode_without_the_directory_is_one_usage_line(
+    pytester, isolated_tmp, monkeypatch, how, source
+):
     pytester.makepyfile(test_golden_runs=TRAINS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-golden=nowhere")
+    args = ["-p", "no:cacheprovider"]
+    if how == "flag":
+        args.append("--mfsdp-golden=nowhere")
+    else:
+        monkeypatch.setenv("MFSDP_GOLDEN", "nowhere")
+    result = pytester.runpytest_subprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--mfsdp-golden=nowhere: no such directory; record golden values first*"])
+    result.stderr.fnmatch_lines([f"*{source}: no such directory; record golden values first*"])
     assert "Traceback" not in result.stderr.str()
+    # record mode makes the directory: no refusal (nothing trains here: --co)
+    result = pytester.runpytest_subprocess(*args, "--mfsdp-golden-mode=record", "--co", "-q")
+    assert result.ret == pytest.ExitCode.OK
