@@ -117,3 +117,39 @@ clean:
 .PHONY: docs
 docs: venv
 	$(PY) docs/generate_known_bugs.py
+
+# Golden values (Megatron-LM's format) of the functional suite on this stack, recorded again: one
+# file per test under $(GOLDEN_DIR)/<stack>/<platform>/ (the stack named from the installed
+# versions). Recorded into a scratch dir first; only a passing session replaces the directory of the
+# stack and platform it recorded. Compare with: pytest tests/functional --mfsdp-golden=$(GOLDEN_DIR)
+GOLDEN_DIR ?= tests/data/golden
+.PHONY: golden
+golden: venv
+	@$(SCRATCH) && export TMPDIR && set -e; fresh="$$scratch/golden"; \
+	$(PY) -m pytest $(FUNCTIONAL) --mfsdp-golden="$$fresh" --mfsdp-golden-mode=record $(PYTEST_ARGS); \
+	for dir in "$$fresh"/*/*; do \
+		target="$(GOLDEN_DIR)/$${dir#$$fresh/}"; rm -rf "$$target"; mkdir -p "$$(dirname "$$target")"; \
+		cp -r "$$dir" "$$target"; echo "golden values: $$(ls "$$target" | wc -l) files in $$target"; \
+	done
+
+# Line and branch coverage of Megatron-FSDP by the functional suite, every rank counted: both
+# megatron_fsdp copies (megatron-core's vendored one, the standalone package), the adapter and the
+# distributed optimizer. pyproject.toml's [tool.coverage.run] makes every rank measure itself
+# (patch = subprocess, one data file per process); combined here, a table per file, HTML in
+# $(COVERAGE_DIR)/html. The test session's own status is make's.
+COVERAGE_DIR   := .pytest_cache/coverage
+COVERAGE_TESTS ?= $(FUNCTIONAL)
+COVERED_FILES  := */megatron/core/distributed/fsdp/*,*/megatron_fsdp/*,*/megatron/core/optimizer/distrib_optimizer.py
+.PHONY: coverage
+coverage: venv
+	@rm -rf $(COVERAGE_DIR)
+	@sources=$$($(PY) -c "import importlib.util as u, os; \
+		top = [u.find_spec(n) for n in ('megatron', 'megatron_fsdp')]; \
+		core = os.path.join(list(top[0].submodule_search_locations)[0], 'core'); \
+		dirs = [os.path.join(core, 'distributed', 'fsdp'), os.path.join(core, 'optimizer')]; \
+		dirs += [list(top[1].submodule_search_locations)[0]] if top[1] else []; print(','.join(dirs))") && \
+	$(SCRATCH) $(PY) -m coverage run --source="$$sources" -m pytest $(COVERAGE_TESTS) $(PYTEST_ARGS); \
+	status=$$?; $(PY) -m coverage combine -q && \
+	$(PY) -m coverage report --include='$(COVERED_FILES)' && \
+	$(PY) -m coverage html -q --include='$(COVERED_FILES)' && \
+	echo "coverage HTML: $(COVERAGE_DIR)/html/index.html"; exit $$status

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -207,6 +208,24 @@ OPTIONS: dict[str, Option] = {
             "PATH",
         ),
         Option(
+            "golden",
+            "golden values in Megatron-LM's format: every distributed test's training runs (lm loss, "
+            "num-zeros, mem-allocated-bytes, iteration-time per step) recorded into, or compared with, "
+            "one file per test under DIR/<stack>/<platform>/ (see --mfsdp-golden-mode)",
+            str,
+            None,
+            "DIR",
+        ),
+        Option(
+            "golden-mode",
+            "what --mfsdp-golden does: 'compare' (default; a test whose runs differ fails, one line per "
+            "metric and step: exact on CPU ranks, Megatron-LM's tolerances on GPUs) or 'record' (write "
+            "the files, replacing earlier ones)",
+            _choice(("compare", "record")),
+            "compare",
+            "compare|record",
+        ),
+        Option(
             "plot",
             "write a PNG of the loss curves to this file (needs matplotlib; without it a note says so)",
             str,
@@ -302,7 +321,33 @@ def check_all(config: pytest.Config) -> dict[str, Any]:
     values = {name: resolve(config, name) for name in OPTIONS}
     if values["set"] or values["preset"]:
         _check_run_config(config, values)
+    if values["golden"] is not None:
+        values["golden"] = str(_golden_root(config, values))
     return values
+
+
+def _golden_root(config: pytest.Config, values: dict[str, Any]) -> Path:
+    """``--mfsdp-golden``'s directory, absolute (relative: to the invocation directory). Compare
+    mode needs it to exist; record mode makes it."""
+    root = Path(values["golden"]).expanduser()
+    if not root.is_absolute():
+        root = Path(config.invocation_params.dir) / root
+    if values["golden-mode"] == "compare" and not root.is_dir():
+        source = _single_source(config, OPTIONS["golden"])
+        raise OptionError(
+            f"{source}={values['golden']}: no such directory; record golden values first "
+            "(--mfsdp-golden-mode=record, or make golden) or point it at the directory that holds them"
+        )
+    return root
+
+
+def _single_source(config: pytest.Config, option: Option) -> str:
+    """Where a single-valued option's value came from (for messages)."""
+    if getattr(config.option, option.dest, None) is not None:
+        return option.flag
+    if os.environ.get(option.env):
+        return f"environment variable {option.env}"
+    return f"ini option {option.ini}"
 
 
 def _check_run_config(config: pytest.Config, values: dict[str, Any]) -> None:

@@ -266,7 +266,32 @@ def _plan_plain_session(session: pytest.Session) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     metrics.attach_to_report(item, report)  # the test's training-run records ride on its report
+    if report.when == "call" and report.passed and not hasattr(report, "wasxfail"):
+        _golden_values(item, report)
     return report
+
+
+def _golden_values(item: pytest.Item, report: pytest.TestReport) -> None:
+    """--mfsdp-golden, in the process that ran the test (a rank: its runs are recorded there, the
+    same on every rank): record the golden file (rank 0 writes it), or compare with it and fail
+    the test's call with one line per difference."""
+    values = item.config.stash[options.OPTION_VALUES]
+    if values["golden"] is None:
+        return
+    from .reporting import golden  # numpy: only where golden values are asked for
+
+    torchrun = TorchrunEnv.from_environ()
+    failures = golden.record_or_compare(
+        Path(values["golden"]),
+        versions.golden_stack(),
+        item.nodeid,
+        metrics.run_records(item),
+        values["golden-mode"],
+        write=torchrun is None or torchrun.rank == 0,
+    )
+    if failures:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(failures)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

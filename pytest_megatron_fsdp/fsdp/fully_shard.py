@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..environment import DistEnv
 from .release import release_grad_hooks, release_method_caches, wait_pending_collectives
-from .results import RunFacts, TrainResult
+from .results import RunFacts, TrainResult, memory_in_use_bytes
 
 #: ``loss_fn(model, batch) -> scalar loss tensor``
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -42,15 +42,12 @@ def _data_parallel_mean(value: float, env: DistEnv, group: Any = None) -> float:
     return float(t.item()) / dist.get_world_size(group)
 
 
-def global_grad_norm(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> float:
-    """The L2 norm of the whole model's gradient, however it is sharded (one all_reduce).
-
-    Each rank adds the squares of the gradient shards it holds; a shard replicated along some mesh
-    dimensions (no_shard, HSDP's outer dimension) is counted by the ranks at coordinate 0 there only.
-    """
+def _counted_grads(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> Iterator[torch.Tensor]:
+    """The gradient pieces this rank counts, so that over all ranks each element counts once: its
+    own shards; a shard replicated along some mesh dimensions (no_shard, HSDP's outer dimension)
+    only at coordinate 0 there; a whole tensor on every rank (torch DDP) only on rank 0."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    total = torch.zeros((), dtype=torch.float64, device=env.device)
     for param in parameters:
         grad = param.grad
         if grad is None:
@@ -62,10 +59,27 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> 
                 continue
             grad = grad.to_local()
         elif env.rank != 0:
-            continue  # a whole tensor on every rank (torch DDP): rank 0 counts it
-        total += grad.detach().double().square().sum()
+            continue
+        yield grad.detach()
+
+
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> float:
+    """The L2 norm of the whole model's gradient, however it is sharded (one all_reduce)."""
+    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    for grad in _counted_grads(parameters, env):
+        total += grad.double().square().sum()
     dist.all_reduce(total)
     return math.sqrt(float(total))
+
+
+def global_num_zeros(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> float:
+    """Zeros in the whole model's gradient, however it is sharded (one all_reduce): Megatron's
+    ``num-zeros`` (``count_zeros_fp32``) for a run without Megatron's optimizer."""
+    total = torch.zeros((), dtype=torch.int64, device=env.device)
+    for grad in _counted_grads(parameters, env):
+        total += grad.numel() - torch.count_nonzero(grad)
+    dist.all_reduce(total)
+    return float(total)
 
 
 class FullyShardRun:
@@ -122,7 +136,7 @@ class FullyShardRun:
 
     def train(self, iterations: int) -> TrainResult:
         """``iterations`` optimizer steps, one batch each; per-step figures as a megatron-core run."""
-        result = TrainResult()
+        result = TrainResult(first_iteration=self.iteration + 1)
         for _ in range(iterations):
             start = time.perf_counter()
             self.model.train()
@@ -132,6 +146,7 @@ class FullyShardRun:
             # Megatron-FSDP syncs the gradients at the end of backward (sync_model_each_microbatch,
             # the default); the wrapped optimizer's step() finishes anything still pending.
             grad_norm = global_grad_norm(self.model.parameters(), self.env)
+            num_zeros = global_num_zeros(self.model.parameters(), self.env)
             self.optimizer.step()
             if self.env.platform == "cuda":
                 torch.cuda.synchronize()
@@ -140,6 +155,8 @@ class FullyShardRun:
             result.local_losses.append(local)
             result.losses.append(_data_parallel_mean(local, self.env))
             result.grad_norms.append(grad_norm)
+            result.num_zeros.append(num_zeros)
+            result.memory_bytes.append(memory_in_use_bytes(self.env.platform))
             self.iteration += 1
         if self.observer is not None:
             self.observer.on_result(self, result)

@@ -128,6 +128,8 @@ def optimizer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> Optim
         bf16=preset.bf16,
         params_dtype=torch.bfloat16 if preset.bf16 else torch.float32,
         use_distributed_optimizer=_uses_distributed_optimizer(cfg, env),
+        # Megatron-LM's --log-num-zeros-in-grad: step() counts the gradient's zeros (golden values)
+        log_num_zeros_in_grad=True,
     )
 
 

@@ -17,12 +17,32 @@ class TrainResult:
     step_times_s: list[float] = field(default_factory=list)
     #: the learning rate each iteration's optimizer step used
     learning_rates: list[float] = field(default_factory=list)
+    #: zeros in the whole model's gradient per iteration (Megatron's ``num-zeros``; every rank's sum)
+    num_zeros: list[float] = field(default_factory=list)
+    #: this rank's memory after each iteration (see :func:`memory_in_use_bytes`)
+    memory_bytes: list[int] = field(default_factory=list)
     #: the run's iteration number of the first entry (a run's second train() continues its count)
     first_iteration: int = 1
 
     @property
     def last_loss(self) -> float:
         return self.losses[-1]
+
+
+def memory_in_use_bytes(platform: str) -> int:
+    """This rank's memory in use now: CUDA's allocated bytes (Megatron's ``mem-allocated-bytes``),
+    or on CPU ranks the process's resident set (0 where ``/proc`` is missing)."""
+    if platform == "cuda":
+        import torch
+
+        return int(torch.cuda.memory_allocated())
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass(frozen=True)

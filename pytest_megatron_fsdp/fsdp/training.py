@@ -26,7 +26,7 @@ from .config import ConfigWarning, RunConfig, validate
 from .parallel import initialize_model_parallel
 from .presets import ModelPreset
 from .release import release_grad_hooks, release_method_caches, wait_pending_collectives
-from .results import RunFacts, TrainResult
+from .results import RunFacts, TrainResult, memory_in_use_bytes
 
 
 class RunObserver(Protocol):
@@ -172,21 +172,27 @@ class TrainingRun:
         )
         return sum(float(o["lm loss"]) for o in outputs) / n
 
-    def _optimizer_step(self) -> tuple[bool, float]:
-        """Megatron's optimizer step: (whether the update happened, the global grad norm)."""
+    def _optimizer_step(self) -> tuple[bool, float, float]:
+        """Megatron's optimizer step: (whether the update happened, the global grad norm, the zeros
+        in the gradient; both NaN when no update happened)."""
         if self.optimizer.config.clip_grad > 0:
             # Megatron's own step: grads prepared (inf/nan found -> no update), norm measured and
-            # the gradients clipped to it, then the update.
-            success, grad_norm, _ = self.optimizer.step()
-            return bool(success), float("nan") if grad_norm is None else float(grad_norm)
+            # the gradients clipped to it, zeros counted (log_num_zeros_in_grad), then the update.
+            success, grad_norm, num_zeros = self.optimizer.step()
+            return (
+                bool(success),
+                float("nan") if grad_norm is None else float(grad_norm),
+                float("nan") if num_zeros is None else float(num_zeros),
+            )
         # Without clipping Megatron's step() measures no norm: run its phases here and measure the
-        # norm in between, where step() would clip.
+        # norm in between, where step() would clip (and count the zeros after it, as step() does).
         with torch.no_grad():
             if self.optimizer.prepare_grads():  # found inf/nan: no update, as step() does
-                return False, float("nan")
+                return False, float("nan"), float("nan")
             grad_norm = self.optimizer.get_grad_norm()
+            num_zeros = self.optimizer.count_zeros()
             success = self.optimizer.step_with_ready_grads()
-        return bool(success), float(grad_norm)
+        return bool(success), float(grad_norm), float(num_zeros)
 
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses (the scheduler sets every group's)."""
@@ -208,7 +214,7 @@ class TrainingRun:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             local = self._forward_backward(forward_only=False)
-            updated, grad_norm = self._optimizer_step()
+            updated, grad_norm, num_zeros = self._optimizer_step()
             if updated:
                 # Bridge's train_step: the schedule advances by the samples of a successful step.
                 self.scheduler.step(increment=self.global_batch_size)
@@ -219,6 +225,8 @@ class TrainingRun:
             result.losses.append(self._data_parallel_mean(local))
             result.grad_norms.append(grad_norm)
             result.learning_rates.append(lr)
+            result.num_zeros.append(num_zeros)
+            result.memory_bytes.append(memory_in_use_bytes(self.env.platform))
             self.iteration += 1
             if self.env.rank == 0:
                 # Megatron's log line; shown with -s, kept in the captured output otherwise.

@@ -115,6 +115,30 @@ def stack_description() -> str:
     return f"{text}, {_described('megatron-fsdp')}" + (f" (unusable: {problem})" if problem else "")
 
 
+#: the stacks the repo's golden values are recorded on (the Makefile's STACK pins): name -> versions
+#: (a local version label such as torch's ``+cpu`` is ignored)
+GOLDEN_STACKS = {
+    "newest": {"torch": "2.14.1", "megatron-core": "0.19.2", "megatron-fsdp": "0.6.1"},
+    "floor": {"torch": "2.13.0", "megatron-core": "0.16.1", "megatron-fsdp": "not installed"},
+}
+
+
+def golden_stack() -> str:
+    """The name of the installed stack for golden values: a :data:`GOLDEN_STACKS` name when the
+    installed torch, megatron-core and megatron-fsdp are its versions, else one made of them
+    (``torch2.15.0-mcore0.20.0-mfsdp0.7.0``; without ``-mfsdp...`` when it is not installed)."""
+    installed = {
+        name: package_version(name).split("+", 1)[0] for name in ("torch", "megatron-core", "megatron-fsdp")
+    }
+    for name, pins in GOLDEN_STACKS.items():
+        if installed == pins:
+            return name
+    text = f"torch{installed['torch']}-mcore{installed['megatron-core']}"
+    if installed["megatron-fsdp"] != "not installed":
+        text += f"-mfsdp{installed['megatron-fsdp']}"
+    return text
+
+
 def live_process_groups() -> list[Any]:
     """This rank's process groups, oldest first (the default group included).
 

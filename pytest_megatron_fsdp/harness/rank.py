@@ -348,6 +348,7 @@ class RankPlugin:
                 shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
             if self._private_temp is not None:
                 shutil.rmtree(self._private_temp, ignore_errors=True)  # no unconfigure either
+            save_coverage()  # os._exit skips the atexit handler that would write it
             os._exit(TIMEOUT_EXIT_CODE)
 
         # Backup in C, should the GIL never come back to the thread above.
@@ -454,6 +455,23 @@ class RankPlugin:
             self._log(f"process group rebuilt after {item.nodeid} (generation {rank_session.generation})")
         log_dir = self.log_path.parent
         return merge_reports(item, reports, per_rank, self.rank, log_dir)
+
+
+def save_coverage() -> bool:
+    """Write the data of the coverage measurement running in this process, if one is (``pytest
+    --cov``, ``coverage run``, or a rank coverage started through its subprocess patch); whether
+    it wrote. Needed before ``os._exit``, which skips coverage's own atexit save. Imports nothing:
+    without a running measurement coverage is not loaded, or has no current instance."""
+    coverage = sys.modules.get("coverage")
+    current = getattr(getattr(coverage, "Coverage", None), "current", None)
+    measurement = current() if callable(current) else None
+    if measurement is None:
+        return False
+    try:
+        measurement.save()  # as coverage's own os._exit patch does: the measurement may go on
+    except Exception:  # noqa: BLE001 - the rank is ending on a timeout either way
+        return False
+    return True
 
 
 def _raised_in_torch_distributed(excinfo: pytest.ExceptionInfo[BaseException]) -> bool:

@@ -88,20 +88,35 @@ def peak_memory_bytes(platform: str) -> tuple[int, str]:
     return int(rss if sys.platform == "darwin" else rss * 1024), "max_rss"
 
 
-def reduce_across_ranks(run: TrainingRun, result: TrainResult) -> tuple[list[float], int, str]:
-    """Collective (every rank calls it): per-step times and peak memory, max over all ranks.
+def reduce_across_ranks(
+    run: TrainingRun, result: TrainResult
+) -> tuple[list[float], int, str, list[int], list[float]]:
+    """Collective (every rank calls it): per-step times, peak memory, per-step memory in use and
+    per-step gradient zeros, max over all ranks.
 
     The slowest rank sets the pace of a synchronous step, and the biggest rank sets the memory a
-    machine needs, so max is the reduction for both. One all_reduce for all of them.
+    machine needs, so max is the reduction for both. The zeros are counted by Megatron over each
+    rank's grad-stats group: the same count on every rank, but where that group is not every rank
+    (HSDP with the optimizer sharded over its instances: each instance counts its own shards), max
+    gives every rank one figure, the one a golden file can hold. One all_reduce for all of them.
     """
     import torch
     import torch.distributed as dist
 
     peak, kind = peak_memory_bytes(run.env.platform)
-    values = torch.tensor([float(peak), *result.step_times_s], dtype=torch.float64, device=run.env.device)
+    steps = len(result.step_times_s)
+    memory = list(result.memory_bytes) if len(result.memory_bytes) == steps else [0] * steps
+    zeros = list(result.num_zeros) if len(result.num_zeros) == steps else [0.0] * steps
+    values = torch.tensor(
+        [float(peak), *result.step_times_s, *map(float, memory), *zeros],
+        dtype=torch.float64,
+        device=run.env.device,
+    )
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     reduced = values.tolist()
-    return reduced[1:], int(reduced[0]), kind
+    in_use = [int(v) for v in reduced[1 + steps : 1 + 2 * steps]] if result.memory_bytes else []
+    num_zeros = reduced[1 + 2 * steps :] if result.num_zeros else []
+    return reduced[1 : 1 + steps], int(reduced[0]), kind, in_use, num_zeros
 
 
 def make_record(
@@ -113,8 +128,11 @@ def make_record(
     peak_memory_bytes: int | None = None,
     peak_memory_kind: str = "",
     checkpoint: dict[str, Any] | None = None,
+    memory_bytes: list[int] | None = None,
+    num_zeros: list[float] | None = None,
 ) -> RunRecord:
-    """``step_times_s``: the per-step times reduced across ranks (default: this rank's)."""
+    """``step_times_s``, ``memory_bytes``, ``num_zeros``: the per-step figures reduced across ranks
+    (default: this rank's)."""
     steps = list(result.step_times_s if step_times_s is None else step_times_s)
     times = steps[1:] or steps  # the first step warms up
     ms_per_step = 1000 * sum(times) / len(times) if times else float("nan")
@@ -138,6 +156,9 @@ def make_record(
         step_times_s=steps,
         peak_memory_bytes=peak_memory_bytes,
         peak_memory_kind=peak_memory_kind,
+        first_iteration=result.first_iteration,
+        num_zeros=list(result.num_zeros if num_zeros is None else num_zeros),
+        memory_bytes=list(result.memory_bytes if memory_bytes is None else memory_bytes),
         **{f"checkpoint_{k}": v for k, v in (checkpoint or {}).items()},
     )
 
@@ -148,7 +169,7 @@ def record_result(item: pytest.Item, run: TrainingRun, result: TrainResult) -> R
     After the reductions the figures are the same on every rank, so every rank's item gets the
     record and the JUnit properties: whichever rank's report reaches the user carries them.
     """
-    step_times, peak, kind = reduce_across_ranks(run, result)
+    step_times, peak, kind, in_use, num_zeros = reduce_across_ranks(run, result)
     record = make_record(
         item.nodeid,
         run,
@@ -157,6 +178,8 @@ def record_result(item: pytest.Item, run: TrainingRun, result: TrainResult) -> R
         peak_memory_bytes=peak,
         peak_memory_kind=kind,
         checkpoint=item.stash.get(_PENDING_CHECKPOINT, None),
+        memory_bytes=in_use,
+        num_zeros=num_zeros,
     )
     item.stash[_PENDING_CHECKPOINT] = {}
     records = item.stash.setdefault(_RECORDS, [])

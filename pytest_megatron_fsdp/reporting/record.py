@@ -37,6 +37,13 @@ class RunRecord:
     peak_memory_bytes: int | None = None
     #: "max_rss" (CPU ranks: process peak resident set since start) or "cuda_max_allocated"
     peak_memory_kind: str = ""
+    #: the run's iteration number of the first entry (a run's second train() continues its count)
+    first_iteration: int = 1
+    #: zeros in the model's gradient per iteration (Megatron's ``num-zeros``; max over ranks)
+    num_zeros: list[float] = field(default_factory=list)
+    #: per iteration, the most memory in use on any rank after the step (CUDA allocated bytes, on
+    #: CPU ranks the resident set): Megatron's ``mem-allocated-bytes``
+    memory_bytes: list[int] = field(default_factory=list)
     checkpoint_bytes: int | None = None
     checkpoint_save_s: float | None = None
     checkpoint_load_s: float | None = None
