@@ -96,3 +96,10 @@ lint: venv
 
 clean:
 	rm -rf .venv-newest .venv-floor .pytest_cache *.egg-info
+
+# Mutation testing of Megatron-FSDP (bench/mutants): the functional suite against each single-edit
+# mutant of a shadowing copy of the installed packages; prints the kill matrix (JSON under .pytest_cache/).
+MUTANTS_ARGS ?=
+.PHONY: mutants
+mutants: venv
+	$(SCRATCH) $(PY) -m bench.mutants $(MUTANTS_ARGS)
