@@ -137,9 +137,7 @@ class Applied:
 
 def environment(shadow: Path, tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(shadow), str(REPO), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shadow), str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant's bytecode never lands in the shadow's caches
     env["TMPDIR"] = str(tmp)
     env.pop("PYTEST_ADDOPTS", None)
@@ -172,6 +170,22 @@ def first_failure(junit: Path) -> tuple[str | None, str | None]:
     return None, None
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """End a run and everything it started (its own session): TERM, then KILL after 15 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_suite(
     python: str, shadow: Path, scratch: Path, tests: list[str], args: argparse.Namespace, label: str
 ) -> tuple[str, str | None, str | None, float]:
@@ -194,13 +208,11 @@ def run_suite(
         try:
             rc = proc.wait(timeout=args.mutant_wall)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop(proc)
             rc = None
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): no run left behind
+            stop(proc)
+            raise
     seconds = time.monotonic() - start
     test, message = first_failure(junit)
     tail = (run_dir / "output.txt").read_text(errors="replace").strip().splitlines()[-1:] or [""]
@@ -263,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)  # the scratch copy and the running suite are cleaned up
     if args.list:
         list_catalogue()
         return 0
@@ -297,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             passed = "passed" if status == "survived" else status
             print(f"control (no mutant): {passed} in {seconds:.1f} s", flush=True)
             if status != "survived":
-                print(f"mutants: the control run failed ({test}: {message}); nothing measured", file=sys.stderr)
+                print(f"mutants: the control run failed ({test}: {message})", file=sys.stderr)
                 return 2
         for m in mutants:
             with Applied(shadow, m):
