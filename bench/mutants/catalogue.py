@@ -313,17 +313,21 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     # --- gradient norm and clipping ------------------------------------------------------------------
     Mutant(
-        "grad_norm_not_summed_over_dp",
+        "grad_norm_not_summed_over_ranks",
         "gradient norm and clipping",
         (MCORE + "optimizer/clip_grads.py",),
-        "        # Sum across all data-parallel GPUs if using FSDP and then all model-parallel GPUs.\n"
-        "        if data_parallel_group:\n",
-        "        # Sum across all data-parallel GPUs if using FSDP and then all model-parallel GPUs.\n"
-        "        if False:\n",
-        """The grad norm of Megatron-FSDP's sharded gradients is no longer summed over the data-parallel
-        ranks: each rank reports (and clips with) the norm of its own shard. megatron-core entry
-        point, sharded optimizer state. Symptom: grad norm below DDP's, different per rank; clipping
-        uses the wrong coefficient.""",
+        "        torch.distributed.all_reduce(\n"
+        "            total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group\n"
+        "        )\n"
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        """The grad norm's sum of squares is no longer reduced over the gradient-statistics group
+        (for the distributed optimizer: its data-parallel ranks, each holding a shard of the
+        gradients): each rank reports, and clips with, the norm of its own shard. megatron-core
+        entry point, every Megatron-FSDP strategy (DDP's group there is model-parallel only).
+        Symptom: grad norm below DDP's and different per rank; clipping with the wrong coefficient.
+        (The block above it, summing over a DTensor gradient's group, is dead on this path: the
+        distributed optimizer hands plain local shards to the norm.)""",
     ),
     Mutant(
         "clip_coeff_off",
@@ -428,13 +432,19 @@ MUTANTS: tuple[Mutant, ...] = (
         "grad_norm_reduced_on_rank0_only",
         "partial collective",
         (MCORE + "optimizer/clip_grads.py",),
-        "        # Sum across all data-parallel GPUs if using FSDP and then all model-parallel GPUs.\n"
-        "        if data_parallel_group:\n",
-        "        # Sum across all data-parallel GPUs if using FSDP and then all model-parallel GPUs.\n"
-        "        if data_parallel_group and torch.distributed.get_rank() == 0:\n",
-        """Only rank 0 enters the data-parallel all-reduce of the grad norm; rank 1 goes on to the
-        next collective. megatron-core entry point, sharded strategies. Symptom: a hang (mismatched
-        collectives); the run must end as a bounded failure (the plugin's per-test timeout).""",
+        "        torch.distributed.all_reduce(\n"
+        "            total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group\n"
+        "        )\n"
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        "        if torch.distributed.get_rank() == 0:\n"
+        "            torch.distributed.all_reduce(\n"
+        "                total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group\n"
+        "            )\n"
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        """Only rank 0 enters the all-reduce of the grad norm over the gradient-statistics group; rank 1
+        goes on to its next collective. megatron-core entry point, every Megatron-FSDP strategy (the
+        group spans the data-parallel ranks). Symptom: mismatched collectives: a hang or a garbled
+        reduction; either must end as a bounded failure (the plugin's per-test timeout), not a hang.""",
     ),
     # --- adapter / wrappers: replays -----------------------------------------------------------------
     Mutant(
