@@ -354,12 +354,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "grad_comm_dtype_ignored",
         "mixed precision",
         both("param_and_grad_buffer.py"),
-        "dtype=mp_policy.grad_comm_dtype if gbuf.is_data_distributed else None",
-        "dtype=None",
-        """Sharded gradients are communicated in the buffer's dtype instead of grad_comm_dtype.
-        Both entry points with a grad_comm_dtype that differs from the gradient buffer's (fully_shard
-        bf16 policy). Symptom: more precise, more bytes: the losses barely move; only the dtype of
-        the collective shows it.""",
+        "self.mp_policy.grad_comm_dtype if p._gbuf.is_data_distributed else None",
+        "None",
+        """The communication bucket a sharded parameter's gradient is written into is allocated in the
+        gradient buffer's dtype instead of grad_comm_dtype (the reduce-scatter then reuses that
+        bucket). Both entry points with a grad_comm_dtype that differs from main_grads_dtype
+        (fully_shard's bf16 policy: fp32 gradients, bf16 communication). Symptom: fp32 collectives:
+        more precise, twice the bytes; the losses barely move, only the collective's dtype shows it.
+        (The same conditional at the reduce-scatter's own fetch_bucket is dead: the bucket exists.)""",
     ),
     # --- checkpoint contents -------------------------------------------------------------------------
     Mutant(
