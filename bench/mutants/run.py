@@ -243,6 +243,39 @@ def stack() -> str:
     )
 
 
+def write_report(
+    args: argparse.Namespace,
+    tests: list[str],
+    control: dict[str, object],
+    outcomes: list[Outcome],
+    started: float,
+    complete: bool,
+    changed: list[str] | None = None,
+) -> Path:
+    """The kill matrix as JSON; rewritten after every mutant (``complete`` false until the end), so an
+    interrupted run leaves what it measured."""
+    killed = [o for o in outcomes if o.status != "survived"]
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "stack": stack(),
+        "complete": complete,
+        "tests": tests,
+        "test_timeout_s": args.test_timeout,
+        "mutant_wall_s": args.mutant_wall,
+        "control": control,
+        "kill_rate": len(killed) / len(outcomes) if outcomes else 0.0,
+        "killed": len(killed),
+        "total": len(outcomes),
+        "seconds": round(time.monotonic() - started, 1),
+        "installed_files_unchanged": None if changed is None else not changed,
+        "mutants": [asdict(o) for o in outcomes],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
+
+
 def print_matrix(outcomes: list[Outcome]) -> None:
     width = max(len(o.name) for o in outcomes)
     print(f"\n{'mutant':<{width}}  {'result':<8}  {'s':>6}  killed by")
@@ -321,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             outcomes.append(outcome)
             print(f"  {m.name}: {status} in {seconds:.1f} s{' by ' + test if test else ''}", flush=True)
+            write_report(args, tests, control, outcomes, started, complete=False)
     after = hash_installed(root)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     killed = [o for o in outcomes if o.status != "survived"]
@@ -331,23 +365,7 @@ def main(argv: list[str] | None = None) -> int:
           f"total {time.monotonic() - started:.0f} s")  # fmt: skip
     for o in survivors:
         print(f"survived: {o.name}: {o.cpu_undetectable or 'NOT DOCUMENTED: add a test or a reason'}")
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "stack": stack(),
-        "tests": tests,
-        "test_timeout_s": args.test_timeout,
-        "mutant_wall_s": args.mutant_wall,
-        "control": control,
-        "kill_rate": rate,
-        "killed": len(killed),
-        "total": len(outcomes),
-        "seconds": round(time.monotonic() - started, 1),
-        "installed_files_unchanged": not changed,
-        "mutants": [asdict(o) for o in outcomes],
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_report(args, tests, control, outcomes, started, complete=True, changed=changed)
     print(f"kill matrix: {out}")
     if changed:
         print(f"mutants: installed files changed during the run: {', '.join(changed[:5])}", file=sys.stderr)
