@@ -153,3 +153,10 @@ coverage: venv
 	$(PY) -m coverage report --include='$(COVERED_FILES)' && \
 	$(PY) -m coverage html -q --include='$(COVERED_FILES)' && \
 	echo "coverage HTML: $(COVERAGE_DIR)/html/index.html"; exit $$status
+
+# Mutation testing of Megatron-FSDP (bench/mutants): the functional suite against each single-edit
+# mutant of a shadowing copy of the installed packages; prints the kill matrix (JSON under .pytest_cache/).
+MUTANTS_ARGS ?=
+.PHONY: mutants
+mutants: venv
+	$(SCRATCH) $(PY) -m bench.mutants $(MUTANTS_ARGS)

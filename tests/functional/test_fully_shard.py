@@ -70,12 +70,15 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def _ddp_losses(dist_env, optimizer=_sgd) -> list[float]:
+def _ddp_result(dist_env, optimizer=_sgd):
     from pytest_megatron_fsdp.fsdp.fully_shard import train_with_torch_ddp
 
     model = _model()
-    result = train_with_torch_ddp(model, optimizer(model), _batches(dist_env.rank), _loss, dist_env, ITERS)
-    return result.losses
+    return train_with_torch_ddp(model, optimizer(model), _batches(dist_env.rank), _loss, dist_env, ITERS)
+
+
+def _ddp_losses(dist_env, optimizer=_sgd) -> list[float]:
+    return _ddp_result(dist_env, optimizer).losses
 
 
 def _assert_same(actual: list[float], expected: list[float], platform: str, what: str) -> None:
@@ -88,7 +91,10 @@ def _assert_same(actual: list[float], expected: list[float], platform: str, what
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fully_shard_strategy_matches_torch_ddp(fully_shard_run, dist_env, strategy):
-    expected = _ddp_losses(dist_env)
+    """Losses equal to torch DDP's, and so is the global grad norm measured after each backward
+    (float64 sums of squares over shards vs whole tensors: a few ulps apart)."""
+    baseline = _ddp_result(dist_env)
+    expected = baseline.losses
     model = _model()
     run = fully_shard_run(
         model,
@@ -102,6 +108,8 @@ def test_fully_shard_strategy_matches_torch_ddp(fully_shard_run, dist_env, strat
     assert_last_loss_finite(result)
     assert_loss_decreased(result)
     _assert_same(result.losses, expected, dist_env.platform, f"fully_shard {strategy}")
+    for i, (a, e) in enumerate(zip(result.grad_norms, baseline.grad_norms, strict=True), start=1):
+        assert math.isclose(a, e, rel_tol=1e-6), f"iteration {i}: grad norm {a} vs torch DDP's {e}"
     if strategy != "no_shard":  # each rank holds a part of the optimizer state, not all of it
         local = sum(p.to_local().numel() for p in run.model.parameters())
         assert local < sum(p.numel() for p in run.model.parameters())
@@ -123,10 +131,22 @@ def test_fully_shard_adam_matches_torch_ddp(known_bug, fully_shard_run, dist_env
 
 
 @pytest.mark.distributed(world_size=2)
-def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env):
+def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monkeypatch):
     """bf16 compute and gradient communication, fp32 main weights and gradients (the policy
-    Megatron-FSDP recommends): trains, and stays within bf16's resolution of the fp32 run."""
+    Megatron-FSDP recommends): trains, and stays within bf16's resolution of the fp32 run. The
+    gradients' reduce-scatters carry bf16 (the policy's grad_comm_dtype): a wrapper that ignored it
+    would communicate fp32 and train just as well, so the collective's dtype is checked itself."""
+    import torch.distributed as dist
     from megatron_fsdp import MixedPrecisionPolicy
+
+    comm_dtypes = []
+    reduce_scatter = dist.reduce_scatter_tensor
+
+    def recording_reduce_scatter(output, input, *args, **kwargs):
+        comm_dtypes.append(input.dtype)
+        return reduce_scatter(output, input, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", recording_reduce_scatter)
 
     expected = _ddp_losses(dist_env)
     policy = MixedPrecisionPolicy(
@@ -151,6 +171,7 @@ def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env):
     )
     result = run.train(ITERS)
     assert compute_dtypes == {torch.bfloat16}
+    assert comm_dtypes and set(comm_dtypes) == {torch.bfloat16}, comm_dtypes
     # fp32 main weights: the optimizer steps the sharded fp32 copies
     assert {p.dtype for group in run.optimizer.param_groups for p in group["params"]} == {torch.float32}
     assert_last_loss_finite(result)

@@ -1,0 +1,492 @@
+"""The mutants: single semantic edits of Megatron-FSDP, each the kind of regression a review could miss.
+
+Every mutant is one exact (file, old text, new text) edit. ``old`` must occur exactly once in each file
+it names (the runner refuses the whole catalogue otherwise, so a catalogue that no longer fits a new
+release says so before anything runs). Paths are relative to the directory that holds the installed
+``megatron`` and ``megatron_fsdp`` packages:
+
+- ``MCORE + "..."``: megatron-core (the adapter, the distributed optimizer, clipping, fsdp_dtensor);
+- ``VENDORED`` / ``STANDALONE``: the two copies of Megatron-FSDP's source. megatron-core's
+  ``FullyShardedDataParallel`` runs the vendored copy, ``megatron_fsdp.fully_shard`` the standalone one;
+  they are the same source tree (identical files in megatron-core 0.19.2 / megatron-fsdp 0.6.1), so a
+  regression in Megatron-FSDP's source lands in both: ``both(name)`` edits both copies.
+
+Written for megatron-core 0.19.2 and megatron-fsdp 0.6.1. Each docstring says what changes, which entry
+point and strategies run the edited code, and the symptom expected. ``replays`` names the upstream fix
+a mutant reverts (the known-bug registry, ``pytest_megatron_fsdp/fsdp/versions.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MCORE = "megatron/core/"
+VENDORED = "megatron/core/distributed/fsdp/src/megatron_fsdp/"
+STANDALONE = "megatron_fsdp/"
+
+
+def both(name: str) -> tuple[str, ...]:
+    """The file ``name`` in both copies of Megatron-FSDP (vendored in megatron-core, and standalone)."""
+    return (VENDORED + name, STANDALONE + name)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    category: str
+    files: tuple[str, ...]
+    old: str
+    new: str
+    doc: str
+    #: the upstream fix this mutant reverts, when it replays a real regression
+    replays: str | None = None
+    #: why no CPU-rank test can kill it, and the GPU test that would (None: the suite must kill it)
+    cpu_undetectable: str | None = None
+
+
+CATEGORIES = (
+    "gradient scaling/averaging",
+    "gradient accumulation",
+    "reduce groups and buckets",
+    "parameter all-gather and prefetch",
+    "shard offsets and sizes",
+    "optimizer step and copy-back",
+    "no_shard parameter sync",
+    "gradient norm and clipping",
+    "mixed precision",
+    "checkpoint contents",
+    "HSDP outer reduction",
+    "partial collective",
+    "adapter and wrappers",
+)
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- gradient scaling / averaging ------------------------------------------------------------
+    Mutant(
+        "grad_sum_not_mean",
+        "gradient scaling/averaging",
+        both("megatron_fsdp.py"),
+        "                gradient_scaling_factor = 1.0 / data_parallel_world_size\n                expert",
+        "                gradient_scaling_factor = 1.0\n                expert",
+        """The data-parallel gradient is summed, not averaged (scaling factor 1 instead of 1/dp).
+        Both entry points, every strategy. Symptom: gradients and the grad norm twice DDP's; with SGD
+        the losses leave DDP's at iteration 2; Adam is nearly scale-invariant and hides most of it.""",
+    ),
+    Mutant(
+        "premul_factor_dropped",
+        "gradient scaling/averaging",
+        both("param_and_grad_buffer.py"),
+        "reduce_op = torch.distributed._make_nccl_premul_sum(scaling_factor)",
+        "reduce_op = torch.distributed._make_nccl_premul_sum(1.0)",
+        """The fused pre-multiplied sum (gradient_reduce_div_fusion, the default for fp32 gradients)
+        loses its 1/dp factor. Both entry points, every strategy, fp32 gradient communication.
+        Symptom: gradients summed over ranks (x dp); grad norm x dp.""",
+    ),
+    Mutant(
+        "unfused_scale_squared",
+        "gradient scaling/averaging",
+        both("param_and_grad_buffer.py"),
+        "grad_data.mul_(scaling_factor)\n        reduce_op = torch.distributed.ReduceOp.SUM",
+        "grad_data.mul_(scaling_factor * scaling_factor)\n        reduce_op = torch.distributed.ReduceOp.SUM",
+        """The unfused path (bf16 gradient communication, where premul-sum is not used) scales by
+        1/dp twice. fully_shard with a bf16 grad_comm_dtype; megatron-core bf16 runs communicate in
+        fp32 by default. Symptom: gradients halved on 2 ranks; losses drift from the fp32 run.""",
+    ),
+    # --- gradient accumulation ---------------------------------------------------------------------
+    Mutant(
+        "unsharded_accum_overwrites",
+        "gradient accumulation",
+        both("megatron_fsdp.py"),
+        "param.main_grad.add_(to_local_if_dtensor(param.grad))",
+        "param.main_grad.copy_(to_local_if_dtensor(param.grad))",
+        """Unsharded gradient buffers (no_shard, optim) overwrite instead of accumulating across
+        micro-batches. Both entry points. Symptom: with several micro-batches per step only the last
+        one's gradient counts; with one micro-batch nothing changes.""",
+    ),
+    Mutant(
+        "sharded_accum_overwrites",
+        "gradient accumulation",
+        both("param_and_grad_buffer.py"),
+        "                    local_grad += reduced_grad\n",
+        "                    local_grad.copy_(reduced_grad)\n",
+        """Sharded gradient buffers (optim_grads, optim_grads_params) overwrite the reduced shard
+        instead of accumulating it over micro-batches. Both entry points. Symptom: with several
+        micro-batches per step only the last one's gradient counts.""",
+    ),
+    Mutant(
+        "unsharded_reduced_every_microbatch",
+        "gradient accumulation",
+        both("megatron_fsdp.py"),
+        "            if grad_reduce_every_bprop or is_last_microbatch or self.model_auto_sync:\n"
+        "                # Launch asynchronous",
+        "            if True:\n                # Launch asynchronous",
+        """The post-backward hook reduces unsharded gradients (no_shard, optim) after every
+        micro-batch, not only the last: the accumulated buffer is reduced (and scaled) again each
+        time. Both entry points with several micro-batches per step. Symptom: early micro-batches'
+        gradients scaled by 1/dp more than once (mixed with other ranks' values) before the step.""",
+    ),
+    Mutant(
+        "grad_buffer_not_zeroed",
+        "gradient accumulation",
+        both("megatron_fsdp.py"),
+        "        self.param_and_grad_buffer.zero_grad()\n",
+        "        pass\n",
+        """zero_grad_buffer() no longer zeroes Megatron-FSDP's gradient buffers: gradients accumulate
+        across optimizer steps. Both entry points, every strategy. Symptom: from step 2 on each
+        update also applies every earlier step's gradient.""",
+    ),
+    # --- reduce groups and buckets ------------------------------------------------------------------
+    Mutant(
+        "bucket_reduced_one_param_early",
+        "reduce groups and buckets",
+        both("param_and_grad_buffer.py"),
+        "if len(self.bucket_grad_ready_params[bucket_id]) != len(param_group.params):",
+        "if len(self.bucket_grad_ready_params[bucket_id]) + 1 < len(param_group.params):",
+        """Off-by-one in the bucket-ready check: a bucket group is reduced when all but one of its
+        parameters have their gradient. Both entry points, strategies that reduce in the
+        post-backward hook. Symptom: one parameter per bucket reduced before its gradient arrived
+        (and the bucket reduced twice); wrong gradients.""",
+    ),
+    Mutant(
+        "reduce_scatter_over_world",
+        "reduce groups and buckets",
+        both("param_and_grad_buffer.py"),
+        "                            input=unreduced_grad,\n"
+        "                            op=reduce_op,\n"
+        "                            group=gbuf.data_parallel_group,\n",
+        "                            input=unreduced_grad,\n"
+        "                            op=reduce_op,\n"
+        "                            group=torch.distributed.group.WORLD,\n",
+        """The sharded gradients' reduce-scatter runs over the whole world instead of the bucket's
+        data-parallel group. Both entry points, sharded strategies. Identical on 2 ranks with
+        dp = world; with tp=2 x dp=2 or HSDP the wrong ranks are summed (or the sizes mismatch).""",
+    ),
+    Mutant(
+        "sync_reduce_scatter_skipped",
+        "reduce groups and buckets",
+        both("megatron_fsdp.py"),
+        "            else:\n                self.param_and_grad_buffer.reduce_scatter_gradients()\n",
+        "            else:\n                pass\n",
+        """finish_grad_sync with overlap_grad_reduce=False no longer reduce-scatters unsharded
+        gradients ('optim' strategy). megatron-core entry point. Symptom: each rank steps its
+        optimizer shard on its own gradient: ranks diverge from DDP at iteration 2.""",
+    ),
+    # --- parameter all-gather and prefetch ----------------------------------------------------------
+    Mutant(
+        "all_gather_not_waited",
+        "parameter all-gather and prefetch",
+        both("param_and_grad_buffer.py"),
+        "        param_gather_event.wait()\n        mark_bucket_ready_to_use()\n",
+        "        mark_bucket_ready_to_use()\n",
+        """A gathered bucket is marked ready without waiting for its all-gather. Both entry points,
+        optim_grads_params (weights sharded). Symptom on GPUs: the forward reads a half-written
+        bucket (stream race); on CPU ranks gloo's async all-gather may or may not be done.""",
+    ),
+    Mutant(
+        "all_gather_from_rank0_shard",
+        "parameter all-gather and prefetch",
+        both("param_and_grad_buffer.py"),
+        "        param_gather_event = torch.distributed.all_gather_into_tensor(\n"
+        "            output_tensor=bucket.data,\n"
+        "            input_tensor=wbuf.get_shard_from_local_buffer(),\n",
+        "        param_gather_event = torch.distributed.all_gather_into_tensor(\n"
+        "            output_tensor=bucket.data,\n"
+        "            input_tensor=wbuf.data[: wbuf.shard_bucket_index.size],\n",
+        """The all-gather sends the first shard-sized slice of the local buffer instead of this
+        rank's shard: identical for a sharded buffer (it holds the shard only), wrong for an
+        unsharded one. Both entry points. Symptom: only where a weight buffer is unsharded and
+        gathered anyway; likely equivalent on every path the suite runs.""",
+    ),
+    Mutant(
+        "sync_param_gather_skips_buckets",
+        "parameter all-gather and prefetch",
+        both("megatron_fsdp.py"),
+        "            for bucket_id in range(self.all_gather_pipeline.num_buckets):\n"
+        "                self.all_gather_pipeline.async_bucket_gather(bucket_id=bucket_id, bwd=False)\n",
+        "            for bucket_id in range(1, self.all_gather_pipeline.num_buckets):\n"
+        "                self.all_gather_pipeline.async_bucket_gather(bucket_id=bucket_id, bwd=False)\n",
+        """start_param_sync without overlap (overlap_param_gather=False) gathers all buckets but the
+        first (off-by-one range). megatron-core entry point, sharded strategies without overlap.
+        Symptom: the first bucket's waits find it EMPTY (ValueError) or it keeps stale weights.""",
+    ),
+    # --- shard offsets and sizes -------------------------------------------------------------------
+    Mutant(
+        "shard_order_reversed",
+        "shard offsets and sizes",
+        both("param_and_grad_buffer.py"),
+        "    bucket_data_index = shard_size * data_parallel_rank\n",
+        "    bucket_data_index = shard_size * (data_parallel_world_size - 1 - data_parallel_rank)\n",
+        """Each rank's shard of a bucket is taken from the mirrored position (rank r owns shard
+        dp-1-r) while collectives still place rank r's data at r. Both entry points, every
+        strategy. Symptom: gathered weights and reduced gradients land in the wrong place.""",
+    ),
+    Mutant(
+        "shard_slice_end_off_by_one",
+        "shard offsets and sizes",
+        both("param_and_grad_buffer.py"),
+        "        end = min(item_global_end, shard_bucket_end) - item_global_start\n",
+        "        end = min(item_global_end, shard_bucket_end - 1) - item_global_start\n",
+        """The slice of a parameter inside a shard ends one element early when the shard ends
+        inside the parameter. Both entry points, sharded strategies. Symptom: one element per
+        shard boundary is never stored / updated (or a size mismatch on copy).""",
+    ),
+    Mutant(
+        "bucket_not_padded_to_dp",
+        "shard offsets and sizes",
+        both("param_and_grad_buffer.py"),
+        "            return _pad(data_index, data_parallel_world_size * chunk_size_factor)\n",
+        "            return _pad(data_index, chunk_size_factor)\n",
+        """Buckets are no longer padded to a multiple of the data-parallel size: shard_size rounds
+        down and the tail of each bucket belongs to no rank. Both entry points, sharded strategies.
+        Symptom: size mismatches in the collectives, or tail elements never trained.""",
+    ),
+    Mutant(
+        "virtual_shard_offset_sign",
+        "shard offsets and sizes",
+        both("param_and_grad_buffer.py"),
+        "            - shard_bucket_index.global_data_index\n"
+        "            + shard_bucket_index.local_data_index\n",
+        "            - shard_bucket_index.global_data_index\n"
+        "            - shard_bucket_index.local_data_index\n",
+        """The local index of a parameter in a virtual shard (an unsharded buffer seen through a
+        sharded optimizer, 'optim' and the main weights of optim_grads) subtracts the shard's local
+        offset instead of adding it. Both entry points. Symptom: rank 1's optimizer gets another
+        slice's gradient/weights (or an empty / out-of-range slice).""",
+    ),
+    # --- optimizer step and copy-back --------------------------------------------------------------
+    Mutant(
+        "copy_back_skipped",
+        "optimizer step and copy-back",
+        (MCORE + "optimizer/distrib_optimizer.py",),
+        "                model_chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()\n",
+        "                pass\n",
+        """The distributed optimizer no longer copies Megatron-FSDP's updated main weights into the
+        model's compute weights. megatron-core entry point, every strategy. Symptom: the model
+        never changes: losses do not decrease, the state dict's main weights and model disagree.""",
+    ),
+    Mutant(
+        "copy_back_into_main",
+        "optimizer step and copy-back",
+        both("param_and_grad_buffer.py"),
+        "                    model_param.data.copy_(main_weight.view(model_param.shape))\n",
+        "                    main_weight.view(model_param.shape).copy_(model_param.data)\n",
+        """copy_main_weights_to_model_weights copies in the wrong direction (model -> main): every
+        step's update is overwritten by the old compute weights. Both entry points. Symptom: the
+        model never learns.""",
+    ),
+    Mutant(
+        "optimizer_gets_full_grad",
+        "optimizer step and copy-back",
+        both("param_and_grad_buffer.py"),
+        'self.bucketing_policy.data_parallel_sharding_strategy != "no_shard"\n            )',
+        'self.bucketing_policy.data_parallel_sharding_strategy == "optim_grads_params"\n            )',
+        """update_main_grads treats 'optim' and 'optim_grads' as unsharded optimizer state and hands
+        the optimizer the whole gradient. Both entry points, optim / optim_grads. Symptom: shape
+        mismatch between the sharded main weight and its gradient (or a wrong slice).""",
+    ),
+    # --- no_shard parameter sync ---------------------------------------------------------------------
+    Mutant(
+        "no_shard_param_sync_fetches_bucket",
+        "no_shard parameter sync",
+        both("megatron_fsdp.py"),
+        '        if self.data_parallel_sharding_strategy == "no_shard":\n            return\n\n'
+        "        if not force_sync and self.ddp_config.overlap_param_gather:\n",
+        "        if not force_sync and self.ddp_config.overlap_param_gather:\n",
+        """Revert of the 0.18 fix: start_param_sync no longer returns early for no_shard, so without
+        parameter-gather overlap it all-gathers weight buckets no_shard does not have. Both entry
+        points, no_shard with overlap_param_gather=False. Symptom (0.16/0.17): AttributeError
+        'NoneType' object has no attribute 'fetch_bucket'.""",
+        replays="no_shard_param_sync: Megatron-LM PR #3754 (fixed in megatron-core 0.18)",
+    ),
+    Mutant(
+        "no_shard_allreduce_skipped",
+        "no_shard parameter sync",
+        both("param_and_grad_buffer.py"),
+        "                        torch.distributed.all_reduce(\n"
+        "                            unreduced_grad, op=reduce_op, group=gbuf.data_parallel_group\n"
+        "                        )\n",
+        "                        pass\n",
+        """no_shard's overlapped all-reduce of the gradient bucket is dropped: each replica steps on
+        its own gradient, and the replicas' weights drift apart. Both entry points, no_shard with
+        overlap_grad_reduce=True. Symptom: losses differ from DDP; replicas hold different
+        weights.""",
+    ),
+    # --- gradient norm and clipping ------------------------------------------------------------------
+    Mutant(
+        "grad_norm_not_summed_over_ranks",
+        "gradient norm and clipping",
+        (MCORE + "optimizer/clip_grads.py",),
+        "        torch.distributed.all_reduce(\n"
+        "            total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group\n"
+        "        )\n"
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        """The grad norm's sum of squares is no longer reduced over the gradient-statistics group
+        (for the distributed optimizer: its data-parallel ranks, each holding a shard of the
+        gradients): each rank reports, and clips with, the norm of its own shard. megatron-core
+        entry point, every Megatron-FSDP strategy (DDP's group there is model-parallel only).
+        Symptom: grad norm below DDP's and different per rank; clipping with the wrong coefficient.
+        (The block above it, summing over a DTensor gradient's group, is dead on this path: the
+        distributed optimizer hands plain local shards to the norm.)""",
+    ),
+    Mutant(
+        "clip_coeff_off",
+        "gradient norm and clipping",
+        (MCORE + "optimizer/clip_grads.py",),
+        "    clip_coeff = max_norm / (total_norm + 1.0e-6)\n",
+        "    clip_coeff = max_norm / (total_norm + 1.0e-6) * 2\n",
+        """The clipping coefficient is twice what it should be. Every wrapper with clip_grad > 0.
+        Symptom: clipped gradients larger than max_norm; clipped updates differ from the
+        hand-computed clip.""",
+    ),
+    # --- mixed precision -----------------------------------------------------------------------------
+    Mutant(
+        "main_weights_in_compute_dtype",
+        "mixed precision",
+        both("param_and_grad_buffer.py"),
+        "                    dtype=self.mp_policy.main_params_dtype,\n",
+        "                    dtype=group.params[0].dtype,\n",
+        """Main weights are allocated in the compute dtype (bf16 for a bf16 model) instead of
+        main_params_dtype (fp32). Both entry points, bf16 models. Symptom: the optimizer steps bf16
+        weights; small updates round away.""",
+    ),
+    Mutant(
+        "grad_comm_dtype_ignored",
+        "mixed precision",
+        both("param_and_grad_buffer.py"),
+        "self.mp_policy.grad_comm_dtype if p._gbuf.is_data_distributed else None",
+        "None",
+        """The communication bucket a sharded parameter's gradient is written into is allocated in the
+        gradient buffer's dtype instead of grad_comm_dtype (the reduce-scatter then reuses that
+        bucket). Both entry points with a grad_comm_dtype that differs from main_grads_dtype
+        (fully_shard's bf16 policy: fp32 gradients, bf16 communication). Symptom: fp32 collectives:
+        more precise, twice the bytes; the losses barely move, only the collective's dtype shows it.
+        (The same conditional at the reduce-scatter's own fetch_bucket is dead: the bucket exists.)""",
+    ),
+    # --- checkpoint contents -------------------------------------------------------------------------
+    Mutant(
+        "optimizer_state_not_loaded",
+        "checkpoint contents",
+        (MCORE + "optimizer/distrib_optimizer.py",),
+        "            self.optimizer.load_state_dict(state_dict)\n            return\n",
+        "            return\n",
+        """Loading a Megatron-FSDP checkpoint no longer loads the optimizer state (the distributed
+        optimizer returns early). megatron-core entry point. Symptom: Adam moments and step counts
+        are the fresh run's; a resumed run departs from the uninterrupted one.""",
+    ),
+    Mutant(
+        "uneven_chunk_offset_off_by_one_rank",
+        "checkpoint contents",
+        both("uneven_dtensor.py"),
+        "        offset = sum(s[shard_dim] for s in global_shapes[:rank])\n",
+        "        offset = sum(s[shard_dim] for s in global_shapes[: max(rank - 1, 0)])\n",
+        """Uneven-DTensor chunk metadata: rank r's offset sums the shapes of ranks before r-1, so
+        ranks 0 and 1 both claim offset 0. Both entry points' fsdp_dtensor checkpoints. Symptom: the
+        saved chunks overlap; the tail of each tensor is lost; a loaded model differs.""",
+    ),
+    Mutant(
+        "swiglu_halves_swapped",
+        "checkpoint contents",
+        (MCORE + "transformer/fsdp_dtensor_checkpoint.py",),
+        "        w_slice = slice(0, data_size // 2)\n        v_slice = slice(data_size // 2, data_size)\n",
+        "        v_slice = slice(0, data_size // 2)\n        w_slice = slice(data_size // 2, data_size)\n",
+        """handle_swiglu_in_state_dict splits linear_fc1 into _w and _v the wrong way round. Megatron-LM
+        layout (fsdp_dtensor) with a SwiGLU model. Symptom: a save/load with the same handler round
+        trips, but the file's _w holds the gate's other half: a checkpoint read by another tool (or
+        an older one) is wrong.""",
+    ),
+    Mutant(
+        "rng_states_not_restored",
+        "checkpoint contents",
+        (MCORE + "tensor_parallel/random.py",),
+        "        self._is_initialized = True\n        self.states_ = states\n",
+        "        self._is_initialized = True\n",
+        """The CUDA RNG tracker's set_states ignores the states given (a checkpoint's). Every wrapper
+        that restores RNG from a checkpoint. Symptom: dropout and other forked-RNG draws after a
+        resume differ from the uninterrupted run's.""",
+    ),
+    # --- HSDP outer reduction -----------------------------------------------------------------------
+    Mutant(
+        "hsdp_outer_allreduce_skipped",
+        "HSDP outer reduction",
+        both("param_and_grad_buffer.py"),
+        "                            torch.distributed.all_reduce(\n"
+        "                                unreduced_grad, group=outer_fsdp_group, op=reduce_op\n"
+        "                            )\n",
+        "                            pass\n",
+        """HSDP with outer no_shard: the gradient is no longer all-reduced across the replicas
+        (DP-outer). Both entry points, HSDP. Symptom: each replica steps on its half of the data;
+        replicas drift apart; losses leave DDP's.""",
+    ),
+    Mutant(
+        "grad_divisor_from_shard_group",
+        "HSDP outer reduction",
+        both("megatron_fsdp.py"),
+        "                data_parallel_world_size = self.dist_index.get_dp_group().size()\n",
+        "                data_parallel_world_size = self.dist_index.get_fsdp_group().size()\n",
+        """The gradient average divides by the size of the sharding group instead of the whole
+        data-parallel group (shard x outer): over-scaled gradients whenever the groups differ, the
+        family of Megatron-LM issue #6660. Both entry points, HSDP. Symptom: gradients x outer size
+        (2 on 4 ranks); SGD losses leave DDP's.""",
+    ),
+    # --- a collective only some ranks enter ----------------------------------------------------------
+    Mutant(
+        "grad_norm_reduced_on_rank0_only",
+        "partial collective",
+        (MCORE + "optimizer/clip_grads.py",),
+        "        torch.distributed.all_reduce(\n"
+        "            total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group\n"
+        "        )\n"
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        "        if torch.distributed.get_rank() == 0:\n"
+        "            torch.distributed.all_reduce(\n"
+        "                total_norm, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group\n"
+        "            )\n"
+        "        if multi_tensor_scale_tensor_impl is not None:\n",
+        """Only rank 0 enters the all-reduce of the grad norm over the gradient-statistics group; rank 1
+        goes on to its next collective. megatron-core entry point, every Megatron-FSDP strategy (the
+        group spans the data-parallel ranks). Symptom: mismatched collectives: a hang or a garbled
+        reduction; either must end as a bounded failure (the plugin's per-test timeout), not a hang.""",
+    ),
+    # --- adapter / wrappers: replays -----------------------------------------------------------------
+    Mutant(
+        "optim_overlap_adds_onto_unreduced",
+        "gradient accumulation",
+        both("param_and_grad_buffer.py"),
+        'if ddp_config.data_parallel_sharding_strategy in ["no_shard", "optim"]:',
+        'if ddp_config.data_parallel_sharding_strategy in ["no_shard"]:',
+        """Revert of the 0.17 change: 'optim' with overlap_grad_reduce adds the reduce-scattered shard
+        onto the rank's still-unreduced local gradient (local_grad += reduced_grad) instead of
+        copying it. Both entry points, 'optim'. Symptom: each rank's shard counts its own gradient
+        twice; losses leave DDP's at iteration 2.""",
+        replays="optim_overlap_double_count: Megatron-LM PR #3067 (fixed in megatron-core 0.17)",
+    ),
+    Mutant(
+        "tp_without_te_isinstance_none",
+        "adapter and wrappers",
+        (MCORE + "distributed/fsdp/mcore_fsdp_adapter.py",),
+        "        module_type = type(module).__name__\n\n        # Handle fused modules",
+        "        module_type = type(module).__name__\n"
+        "        from megatron.core.extensions.transformer_engine import TELinear\n\n"
+        "        if parallel_state.get_tensor_model_parallel_world_size() > 1 and isinstance(\n"
+        "            module, (TELinear,)\n"
+        "        ):\n"
+        '            module_type = "TELinear"\n\n'
+        "        # Handle fused modules",
+        """Revert of the 0.18 fix in spirit: the adapter classifies tensor-parallel modules with
+        isinstance(m, (TELinear,)), which is a TypeError when Transformer Engine is absent (TELinear
+        is None). megatron-core entry point, tp > 1 without TE. Symptom: TypeError at wrap time.""",
+        replays="tensor_parallel_without_te: Megatron-LM PR #3191 (fixed in megatron-core 0.18)",
+    ),
+    Mutant(
+        "fsdp2_finish_grad_sync_signature",
+        "adapter and wrappers",
+        (MCORE + "distributed/torch_fully_sharded_data_parallel.py",),
+        "    def finish_grad_sync(self, force_all_reduce=False):\n",
+        "    def finish_grad_sync(self):\n",
+        """Revert of the 0.19 fix: TorchFullyShardedDataParallel.finish_grad_sync takes no
+        force_all_reduce, which finalize_model_grads passes. megatron-core's FSDP2 wrapper.
+        Symptom: TypeError after the first backward.""",
+        replays="fsdp2_finish_grad_sync: Megatron-LM PR #4953 (fixed in megatron-core 0.19)",
+    ),
+)

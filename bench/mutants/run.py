@@ -1,0 +1,373 @@
+"""Run the functional suite against each mutant of Megatron-FSDP; print and write the kill matrix.
+
+The installed packages are never edited: ``megatron/core`` and ``megatron_fsdp`` are copied into a
+scratch directory placed first on ``PYTHONPATH`` (the ranks the plugin launches inherit it), each
+mutant edits that copy and is undone after its run, and the installed ``.py`` files are hashed before
+and after (a difference fails the run). A control run on the unedited copy comes first and must pass.
+Each run is plain pytest with ``-x`` (the first failing test kills the mutant), the plugin's per-test
+timeout (``--mfsdp-timeout``: a hang becomes a bounded failure) and a wall limit per mutant.
+
+    python -m bench.mutants                      # the whole catalogue, the whole functional suite
+    python -m bench.mutants --only grad_sum_not_mean --tests tests/functional/test_strategies.py
+    python -m bench.mutants --list               # the catalogue, per category
+
+Exit status: 0 when the kill rate reaches ``--min-kill-rate`` (default 0.95), 1 below it, 2 when the
+control run fails or the catalogue does not apply, 3 when an installed file changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .catalogue import MUTANTS, Mutant
+
+REPO = Path(__file__).resolve().parents[2]
+FUNCTIONAL = REPO / "tests" / "functional"
+#: fast, discriminating files first (-x stops at the first failure); every other file of the
+#: functional suite follows, so the whole suite is always the judge of a survivor
+FIRST = (
+    "test_strategies.py",
+    "test_fully_shard.py",
+    "test_schedule.py",
+    "test_megatron_fsdp.py",
+    "test_checkpoint.py",
+)
+PACKAGES = ("megatron/core", "megatron_fsdp")
+
+
+@dataclass
+class Outcome:
+    name: str
+    category: str
+    status: str  # killed | survived | timeout | error
+    killed_by: str | None
+    message: str | None
+    seconds: float
+    replays: str | None = None
+    cpu_undetectable: str | None = None
+    files: list[str] = field(default_factory=list)
+
+
+def suite_files() -> list[str]:
+    names = sorted(p.name for p in FUNCTIONAL.glob("test_*.py"))
+    ordered = [n for n in FIRST if n in names] + [n for n in names if n not in FIRST]
+    return [str((FUNCTIONAL / n).relative_to(REPO)) for n in ordered]
+
+
+def site_root() -> Path:
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("mutants: megatron-core is not installed in this Python")
+    return Path(list(spec.submodule_search_locations)[0]).parents[1]
+
+
+def hash_installed(root: Path) -> dict[str, str]:
+    digests = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def check_catalogue(shadow: Path, mutants: list[Mutant]) -> list[str]:
+    """Every edit must match exactly once in every file it names."""
+    problems = []
+    names = Counter(m.name for m in mutants)
+    problems += [f"{name}: the name is used {n} times" for name, n in names.items() if n > 1]
+    for m in mutants:
+        if m.old == m.new:
+            problems.append(f"{m.name}: the edit changes nothing")
+        for rel in m.files:
+            path = shadow / rel
+            if not path.is_file():
+                problems.append(f"{m.name}: {rel} is not installed")
+                continue
+            count = path.read_text().count(m.old)
+            if count != 1:
+                problems.append(f"{m.name}: its old text occurs {count} times in {rel} (must be once)")
+    return problems
+
+
+def make_shadow(root: Path, scratch: Path) -> Path:
+    shadow = scratch / "shadow"
+    for package in PACKAGES:
+        if (root / package).is_dir():
+            # copy2 keeps the mtimes, so the copied __pycache__ stays valid (no recompiling)
+            shutil.copytree(root / package, shadow / package, copy_function=shutil.copy2)
+    return shadow
+
+
+class Applied:
+    """A mutant's edits on the shadow copy, undone (bytes and mtime) on exit."""
+
+    def __init__(self, shadow: Path, mutant: Mutant | None) -> None:
+        self.shadow, self.mutant, self.saved = shadow, mutant, []
+
+    def __enter__(self) -> Applied:
+        if self.mutant is None:
+            return self
+        for rel in self.mutant.files:
+            path = self.shadow / rel
+            stat, text = path.stat(), path.read_text()
+            assert text.count(self.mutant.old) == 1, (self.mutant.name, rel)
+            self.saved.append((path, text, stat))
+            path.write_text(text.replace(self.mutant.old, self.mutant.new))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for path, text, stat in self.saved:
+            path.write_text(text)
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def environment(shadow: Path, tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shadow), str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant's bytecode never lands in the shadow's caches
+    env["TMPDIR"] = str(tmp)
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def check_shadowing(python: str, shadow: Path, scratch: Path) -> None:
+    code = (
+        "import importlib.util as u; "
+        "print(u.find_spec('megatron.core').origin); "
+        "s = u.find_spec('megatron_fsdp'); print(s.origin if s else '')"
+    )
+    out = subprocess.run(
+        [python, "-c", code], env=environment(shadow, scratch), capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    for origin in filter(None, out):
+        if not Path(origin).resolve().is_relative_to(shadow.resolve()):
+            raise SystemExit(f"mutants: the copy does not shadow the installed package: {origin}")
+
+
+def first_failure(junit: Path) -> tuple[str | None, str | None]:
+    if not junit.is_file():
+        return None, None
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+                message = (child.get("message") or child.text or "").strip().splitlines()
+                return test, (message[0][:300] if message else "")
+    return None, None
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End a run and everything it started (its own session): TERM, then KILL after 15 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run_suite(
+    python: str, shadow: Path, scratch: Path, tests: list[str], args: argparse.Namespace, label: str
+) -> tuple[str, str | None, str | None, float]:
+    """(status, first failing test, its message, seconds) of one run of the suite."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=scratch))
+    junit = run_dir / "junit.xml"
+    command = [
+        python, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider",
+        f"--mfsdp-timeout={args.test_timeout}", f"--mfsdp-log-dir={run_dir / 'logs'}",
+        f"--junitxml={junit}", *args.pytest_args,
+    ]  # fmt: skip
+    tmp = run_dir / "tmp"
+    tmp.mkdir()
+    start = time.monotonic()
+    with open(run_dir / "output.txt", "w") as out:
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=environment(shadow, tmp), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            rc = proc.wait(timeout=args.mutant_wall)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            rc = None
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): no run left behind
+            stop(proc)
+            raise
+    seconds = time.monotonic() - start
+    test, message = first_failure(junit)
+    tail = (run_dir / "output.txt").read_text(errors="replace").strip().splitlines()[-1:] or [""]
+    if not args.keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if rc is None:
+        return "timeout", test, f"wall limit {args.mutant_wall:g} s reached", seconds
+    if rc == 0:
+        return "survived", None, None, seconds
+    if test is None:
+        return "error", f"session (pytest exit {rc})", tail[0][:300], seconds
+    return "killed", test, message, seconds
+
+
+def stack() -> str:
+    import platform
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (
+        f"Python {platform.python_version()}, torch {version('torch')}, megatron-core "
+        f"{version('megatron-core')}, megatron-fsdp {version('megatron-fsdp')}"
+    )
+
+
+def write_report(
+    args: argparse.Namespace,
+    tests: list[str],
+    control: dict[str, object],
+    outcomes: list[Outcome],
+    started: float,
+    complete: bool,
+    changed: list[str] | None = None,
+) -> Path:
+    """The kill matrix as JSON; rewritten after every mutant (``complete`` false until the end), so an
+    interrupted run leaves what it measured."""
+    killed = [o for o in outcomes if o.status != "survived"]
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "stack": stack(),
+        "complete": complete,
+        "tests": tests,
+        "test_timeout_s": args.test_timeout,
+        "mutant_wall_s": args.mutant_wall,
+        "control": control,
+        "kill_rate": len(killed) / len(outcomes) if outcomes else 0.0,
+        "killed": len(killed),
+        "total": len(outcomes),
+        "seconds": round(time.monotonic() - started, 1),
+        "installed_files_unchanged": None if changed is None else not changed,
+        "mutants": [asdict(o) for o in outcomes],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return out
+
+
+def print_matrix(outcomes: list[Outcome]) -> None:
+    width = max(len(o.name) for o in outcomes)
+    print(f"\n{'mutant':<{width}}  {'result':<8}  {'s':>6}  killed by")
+    for o in outcomes:
+        killer = o.killed_by or ("-" if not o.cpu_undetectable else "(documented CPU-undetectable)")
+        print(f"{o.name:<{width}}  {o.status:<8}  {o.seconds:6.1f}  {killer}")
+
+
+def list_catalogue() -> None:
+    by_category = Counter(m.category for m in MUTANTS)
+    for category, count in by_category.items():
+        print(f"{category}: {count}")
+        for m in MUTANTS:
+            if m.category == category:
+                first = " ".join(m.doc.split())
+                print(f"  {m.name}{' [replays ' + m.replays + ']' if m.replays else ''}: {first}")
+    print(f"{len(MUTANTS)} mutants")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.mutants", description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--tests", nargs="+", help="test paths (default: the functional suite, ordered)")
+    parser.add_argument("--test-timeout", type=float, default=120.0, help="per test, seconds (plugin)")
+    parser.add_argument("--mutant-wall", type=float, default=600.0, help="per run, seconds")
+    parser.add_argument("--out", default=str(REPO / ".pytest_cache" / "mutants" / "kill-matrix.json"))
+    parser.add_argument("--min-kill-rate", type=float, default=0.95)
+    parser.add_argument("--no-control", action="store_true", help="skip the control run (development)")
+    parser.add_argument("--keep", action="store_true", help="keep each run's output and rank logs")
+    parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)  # the scratch copy and the running suite are cleaned up
+    if args.list:
+        list_catalogue()
+        return 0
+    mutants = list(MUTANTS)
+    if args.only:
+        unknown = set(args.only) - {m.name for m in mutants}
+        if unknown:
+            print(f"mutants: no mutant named {', '.join(sorted(unknown))} (see --list)", file=sys.stderr)
+            return 2
+        mutants = [m for m in mutants if m.name in args.only]
+    tests = args.tests or suite_files()
+    python = sys.executable
+    root = site_root()
+    before = hash_installed(root)
+    started = time.monotonic()
+    outcomes: list[Outcome] = []
+    control: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="mfsdp-mutants-") as scratch_name:
+        scratch = Path(scratch_name)
+        shadow = make_shadow(root, scratch)
+        problems = check_catalogue(shadow, mutants)
+        if problems:
+            print("mutants: the catalogue does not apply to the installed packages:", file=sys.stderr)
+            for problem in problems:
+                print(f"  {problem}", file=sys.stderr)
+            return 2
+        check_shadowing(python, shadow, scratch)
+        print(f"mutants: {len(mutants)} mutants of {root} ({stack()}); tests: {' '.join(tests)}", flush=True)
+        if not args.no_control:
+            status, test, message, seconds = run_suite(python, shadow, scratch, tests, args, "control")
+            control = {"status": status, "failed": test, "message": message, "seconds": round(seconds, 1)}
+            passed = "passed" if status == "survived" else status
+            print(f"control (no mutant): {passed} in {seconds:.1f} s", flush=True)
+            if status != "survived":
+                print(f"mutants: the control run failed ({test}: {message})", file=sys.stderr)
+                return 2
+        for m in mutants:
+            with Applied(shadow, m):
+                status, test, message, seconds = run_suite(python, shadow, scratch, tests, args, m.name)
+            outcome = Outcome(
+                m.name, m.category, status, test, message, round(seconds, 1), m.replays,
+                m.cpu_undetectable, list(m.files),
+            )  # fmt: skip
+            outcomes.append(outcome)
+            print(f"  {m.name}: {status} in {seconds:.1f} s{' by ' + test if test else ''}", flush=True)
+            write_report(args, tests, control, outcomes, started, complete=False)
+    after = hash_installed(root)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    killed = [o for o in outcomes if o.status != "survived"]
+    rate = len(killed) / len(outcomes) if outcomes else 0.0
+    print_matrix(outcomes)
+    survivors = [o for o in outcomes if o.status == "survived"]
+    print(f"\nkill rate: {len(killed)}/{len(outcomes)} = {rate:.1%} (required {args.min_kill_rate:.0%}); "
+          f"total {time.monotonic() - started:.0f} s")  # fmt: skip
+    for o in survivors:
+        print(f"survived: {o.name}: {o.cpu_undetectable or 'NOT DOCUMENTED: add a test or a reason'}")
+    out = write_report(args, tests, control, outcomes, started, complete=True, changed=changed)
+    print(f"kill matrix: {out}")
+    if changed:
+        print(f"mutants: installed files changed during the run: {', '.join(changed[:5])}", file=sys.stderr)
+        return 3
+    return 0 if rate >= args.min_kill_rate else 1
