@@ -160,3 +160,13 @@ MUTANTS_ARGS ?=
 .PHONY: mutants
 mutants: venv
 	$(SCRATCH) $(PY) -m bench.mutants $(MUTANTS_ARGS)
+
+# The distributions a release would upload: `python -m build` (an sdist, then the wheel built from that sdist, with
+# build isolation: the build-system requirements of pyproject.toml), then `twine check --strict` on both. Into a
+# scratch dir removed afterwards, or into WHEEL_DIR when given (e.g. make wheel WHEEL_DIR=dist).
+WHEEL_DIR ?=
+.PHONY: wheel
+wheel: venv
+	@out='$(WHEEL_DIR)'; if [ -z "$$out" ]; then out=$$(mktemp -d) && trap 'rm -rf "$$out"' EXIT; fi; \
+		set -e; $(PY) -m build --outdir "$$out" . && $(PY) -m twine check --strict "$$out"/*.tar.gz "$$out"/*.whl && \
+		ls -l "$$out"

@@ -202,7 +202,8 @@ OPTIONS: dict[str, Option] = {
         Option(
             "report-json",
             "write every distributed test's training metrics (loss, grad norm, step time, tokens/s, "
-            "peak memory, checkpoint figures) as JSON to this file (schemas/mfsdp-report.schema.json)",
+            "peak memory, checkpoint figures) as JSON to this file "
+            "(schema: pytest_megatron_fsdp/reporting/mfsdp-report.schema.json)",
             str,
             None,
             "PATH",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib.resources
 import json
 import math
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from typing import Any
 from .record import RunRecord
 
 SCHEMA_VERSION = 1
+#: the JSON report's schema (JSON Schema 2020-12), package data next to this module
+SCHEMA_FILE = "mfsdp-report.schema.json"
 BARS = "▁▂▃▄▅▆▇█"
 #: what the sparkline shows for NaN, +inf and -inf
 NAN_MARK, POS_INF_MARK, NEG_INF_MARK = "×", "↑", "↓"
@@ -196,8 +199,15 @@ def _strict(value: Any) -> Any:
     return value
 
 
+def report_schema() -> dict[str, Any]:
+    """The JSON report's schema, read from the installed package (wheel, sdist or checkout)."""
+    return json.loads(
+        importlib.resources.files(__package__).joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    )
+
+
 def report_document(records: Sequence[RunRecord], mode: str) -> dict[str, Any]:
-    """The machine-readable report (schemas/mfsdp-report.schema.json describes it)."""
+    """The machine-readable report (``report_schema()`` describes it)."""
     runs = []
     for r in records:
         data = dataclasses.asdict(r)

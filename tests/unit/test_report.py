@@ -3,7 +3,6 @@
 import json
 import math
 import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -16,6 +15,7 @@ from pytest_megatron_fsdp.reporting.report import (
     plot_figure,
     plot_label,
     report_document,
+    report_schema,
     sparkline,
     summary_lines,
     table_lines,
@@ -24,7 +24,7 @@ from pytest_megatron_fsdp.reporting.report import (
     write_plot,
 )
 
-SCHEMA = json.loads((Path(__file__).parents[2] / "schemas" / "mfsdp-report.schema.json").read_text())
+SCHEMA = report_schema()  # the package data file, as an installed wheel ships it
 NAN = float("nan")
 
 

@@ -16,8 +16,9 @@ import jsonschema
 import pytest
 
 from pytest_megatron_fsdp import PRESETS
+from pytest_megatron_fsdp.reporting.report import report_schema
 
-SCHEMA = json.loads((Path(__file__).parents[2] / "schemas" / "mfsdp-report.schema.json").read_text())
+SCHEMA = report_schema()  # the package data file, as an installed wheel ships it
 
 RUNS = """
 import resource
