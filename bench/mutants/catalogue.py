@@ -250,8 +250,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "            - shard_bucket_index.local_data_index\n",
         """The local index of a parameter in a virtual shard (an unsharded buffer seen through a
         sharded optimizer, 'optim' and the main weights of optim_grads) subtracts the shard's local
-        offset instead of adding it. Both entry points. Symptom: rank 1's optimizer gets another
-        slice's gradient/weights (or an empty / out-of-range slice).""",
+        offset instead of adding it. Both entry points. Symptom: a rank's optimizer gets another
+        slice's gradient/weights. Measured: on 2 ranks rank 1's offset becomes -(bucket size) and Python's
+        negative slicing lands on the right elements (the whole 2-rank suite passed); 4 data-parallel
+        ranks expose it.""",
     ),
     # --- optimizer step and copy-back --------------------------------------------------------------
     Mutant(

@@ -166,7 +166,14 @@ def first_failure(junit: Path) -> tuple[str | None, str | None]:
             if child.tag in ("failure", "error"):
                 test = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
                 message = (child.get("message") or child.text or "").strip().splitlines()
-                return test, (message[0][:300] if message else "")
+                summary = message[0] if message else ""
+                # the plugin's summary ("failed on ranks 0, 1 (same error)") names the ranks; the
+                # traceback's first "E " line says what failed
+                lines = (child.text or "").splitlines()
+                detail = next((line[1:].strip() for line in lines if line.startswith("E ")), "")
+                if detail and detail not in summary:
+                    summary = f"{summary}: {detail}" if summary else detail
+                return test, summary[:400]
     return None, None
 
 

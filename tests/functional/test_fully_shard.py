@@ -131,11 +131,15 @@ def test_fully_shard_adam_matches_torch_ddp(known_bug, fully_shard_run, dist_env
 
 
 @pytest.mark.distributed(world_size=2)
-def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monkeypatch):
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
+def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monkeypatch, strategy):
     """bf16 compute and gradient communication, fp32 main weights and gradients (the policy
     Megatron-FSDP recommends): trains, and stays within bf16's resolution of the fp32 run. The
     gradients' reduce-scatters carry bf16 (the policy's grad_comm_dtype): a wrapper that ignored it
-    would communicate fp32 and train just as well, so the collective's dtype is checked itself."""
+    would communicate fp32 and train just as well, so the collective's dtype is checked itself.
+    'optim' too: its gradients stay unsharded in fp32, so bf16 communication goes through a separate
+    buffer whose reduced shard is copied back (0.16 added it onto the unreduced shard, Megatron-LM
+    PR #3067); the grad norm is compared with fp32 DDP's as well."""
     import torch.distributed as dist
     from megatron_fsdp import MixedPrecisionPolicy
 
@@ -148,7 +152,8 @@ def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monk
 
     monkeypatch.setattr(dist, "reduce_scatter_tensor", recording_reduce_scatter)
 
-    expected = _ddp_losses(dist_env)
+    baseline = _ddp_result(dist_env)
+    expected = baseline.losses
     policy = MixedPrecisionPolicy(
         main_params_dtype=torch.float32, main_grads_dtype=torch.float32, grad_comm_dtype=torch.bfloat16
     )
@@ -166,6 +171,7 @@ def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monk
         _sgd(model),
         _batches(dist_env.rank, torch.bfloat16),
         loss,
+        zero_dp_strategy=strategy,
         mixed_precision_policy=policy,
         fsdp_unit_modules=[Block],
     )
@@ -178,6 +184,8 @@ def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monk
     assert_loss_decreased(result)
     for i, (a, e) in enumerate(zip(result.losses, expected, strict=True), start=1):
         assert math.isclose(a, e, rel_tol=0.02), f"iteration {i}: bf16 {a} vs fp32 DDP {e}"
+    for i, (a, e) in enumerate(zip(result.grad_norms, baseline.grad_norms, strict=True), start=1):
+        assert math.isclose(a, e, rel_tol=0.02), f"iteration {i}: bf16 grad norm {a} vs fp32 DDP's {e}"
 
 
 @pytest.mark.distributed(world_size=4)

@@ -84,3 +84,13 @@ def test_the_first_failure_of_a_junit_report_names_the_killer(tmp_path):
         "tests/functional/test_a.py::test_bad[x]",
         "AssertionError: iteration 2 loss 1.0 != 2.0",
     )
+
+
+def test_a_rank_set_failure_is_reported_with_the_tracebacks_error_line(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="tests.functional.test_a" name="test_bad">'
+        '<failure message="failed on ranks 0, 1 (same error)">x = 1&#10;E   ValueError: boom&#10;y</failure>'
+        "</testcase></testsuite></testsuites>"
+    )
+    assert run.first_failure(junit)[1] == "failed on ranks 0, 1 (same error): ValueError: boom"
