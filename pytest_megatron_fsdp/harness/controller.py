@@ -36,7 +36,8 @@ EXIT_WAIT_S = 60.0
 
 
 class Controller:
-    """Registered in a plain (non-torchrun) pytest process, as ``mfsdp-controller``."""
+    """The plain-mode parent's controller (registered as ``mfsdp-controller`` through
+    ``roles.ParentPlugin``, which adds the session's plan around it)."""
 
     def __init__(
         self, config: pytest.Config, forwarded_args: list[str], explicit_log_dir: str | None

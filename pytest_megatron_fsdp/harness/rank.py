@@ -50,7 +50,8 @@ PEER_DUMP_GRACE_S = 5.0
 
 
 class RankPlugin:
-    """Registered in every torchrun rank, as ``mfsdp-rank``."""
+    """What every torchrun rank does (registered as ``mfsdp-rank`` through ``roles``: a launched
+    rank's or a torchrun-mode rank's plugin, each one of these)."""
 
     def __init__(
         self,
