@@ -15,15 +15,16 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from . import flight_recorder, warnings_relay
+from . import flight_recorder, protocol, warnings_relay, xdist_queue
 from .agreement import headlined_failure
-from .launcher import RankSet, describe_exit
-from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE, log_dir, spec_of
+from .launcher import PostMortem, RankSet, describe_exit
+from .protocol import log_dir, spec_of
 
 #: seconds a fresh rank set may spend starting (imports, rendezvous) before its first test counts
 STARTUP_ALLOWANCE_S = 120.0
@@ -35,7 +36,8 @@ EXIT_WAIT_S = 60.0
 
 
 class Controller:
-    """Registered in a plain (non-torchrun) pytest process, as ``mfsdp-controller``."""
+    """The plain-mode parent's controller (registered as ``mfsdp-controller`` through
+    ``roles.ParentPlugin``, which adds the session's plan around it)."""
 
     def __init__(
         self, config: pytest.Config, forwarded_args: list[str], explicit_log_dir: str | None
@@ -180,22 +182,8 @@ class Controller:
             rank_set.close()
 
     def _upcoming(self, item: pytest.Item) -> list[pytest.Item]:
-        """``item`` and the tests this process will run after it, in order.
-
-        A plain session runs everything it collected. A pytest-xdist worker runs what its
-        controller sends: the current test, the next one and those already queued (later ones
-        arrive while it runs; a test not yet sent gets a rank set of its own when it comes).
-        """
-        items = self.config.stash[_SESSION_ITEMS]
-        interactor = next(
-            (p for p in self.config.pluginmanager.get_plugins() if type(p).__name__ == "WorkerInteractor"),
-            None,
-        )
-        if interactor is None or not hasattr(self.config, "workerinput"):
-            return items[items.index(item) :]
-        with interactor.torun.lock() as queued:
-            indices = [interactor.nextitem_index, *queued]
-        return [item] + [items[i] for i in indices if isinstance(i, int)]
+        """``item`` and the tests this process will run after it, in order (see :mod:`.xdist_queue`)."""
+        return xdist_queue.upcoming(self.config, self.config.stash[_SESSION_ITEMS], item)
 
     def close_all(self) -> None:
         for world_size in list(self.active):
@@ -226,10 +214,10 @@ class Controller:
                 # with what its ranks had logged, its rank set is killed, and pytest then ends the
                 # session as interrupted, writing JUnit XML and the report for every finished test.
                 rank_set.kill()
-                reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + self._death(
-                    rank_set, spec.timeout_s, interrupted=True
+                reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + _death(
+                    rank_set.post_mortem(), spec.timeout_s, interrupted=True
                 )
-                report = self._failure(item, rank_set, [], True, reason)
+                report = self._failure(item, rank_set, "call", reason)
                 item.ihook.pytest_runtest_logreport(report=report)
                 item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
                 raise
@@ -304,7 +292,7 @@ class Controller:
                 "test; killed"
             )
         elif code != 0:
-            abnormal = _abnormal_exits(rank_set)
+            abnormal = abnormal_exits(rank_set.post_mortem())
             if abnormal:
                 self._warn(
                     f"the world_size={world_size} rank set ended abnormally after its last test "
@@ -322,121 +310,48 @@ class Controller:
         reporter.write_line(f"megatron-fsdp: {text}", yellow=True)
 
     def _collect_reports(self, item: pytest.Item, rank_set: RankSet) -> list[pytest.TestReport]:
+        """The test's reports as its rank set sends them; a failure of the phase it had reached when
+        the rank set went wrong (died, hung, ran or collected something else)."""
         timeout = spec_of(item).timeout_s
         startup = STARTUP_ALLOWANCE_S if rank_set.tests_finished == 0 else 0.0
-        deadline = time.monotonic() + timeout + KILL_GRACE_S + startup
+        deadline = _clock() + timeout + KILL_GRACE_S + startup
         relay = self.config.option.capture == "no"
-        reports: list[pytest.TestReport] = []
-        started = False
+        watch = TestWatch(
+            item.nodeid,
+            to_report=lambda data: _report_from_event(self.config, data),
+            record_warnings=lambda data: warnings_relay.record(item, data),
+        )
         while True:
             events = rank_set.poll_events()
             while events:
-                event = events.popleft()
-                kind = event["event"]
-                if kind == "collected":
-                    if item.nodeid not in event["nodeids"]:
-                        return reports + [
-                            self._failure(item, rank_set, reports, started, _not_collected(item, event))
-                        ]
-                elif kind == "start":
-                    if event["nodeid"] != item.nodeid:
-                        return reports + [
-                            self._failure(
-                                item,
-                                rank_set,
-                                reports,
-                                started,
-                                f"the rank set ran {event['nodeid']} instead",
-                            )
-                        ]
-                    deadline = time.monotonic() + timeout + KILL_GRACE_S
-                    started = True
-                elif kind == "warnings":
-                    warnings_relay.record(item, event["warnings"])
-                elif kind == "report":
-                    reports.append(_report_from_event(self.config, event["report"]))
-                elif kind == "finish":
+                started = watch.started
+                watch.handle(events.popleft())
+                if watch.problem is not None:
+                    return watch.reports + [self._failure(item, rank_set, watch.phase(), watch.problem)]
+                if watch.started and not started:
+                    deadline = _clock() + timeout + KILL_GRACE_S
+                if watch.finished:
                     rank_set.tests_finished += 1
                     if relay:
                         _relay(rank_set)
-                    return reports
+                    return watch.reports
             if relay:
                 _relay(rank_set)
             if rank_set.exited():
                 if rank_set.poll_events():
                     continue  # the last words arrived with the exit
-                return reports + [
-                    self._failure(item, rank_set, reports, started, self._death(rank_set, timeout))
-                ]
-            if time.monotonic() > deadline:
+                reason = _death(rank_set.post_mortem(), timeout)
+                return watch.reports + [self._failure(item, rank_set, watch.phase(), reason)]
+            if _clock() > deadline:
                 rank_set.dump_stacks()
-                time.sleep(1.0)
+                _sleep(1.0)
                 rank_set.kill()
-                reason = self._death(rank_set, timeout, killed_after=timeout)
-                return reports + [self._failure(item, rank_set, reports, started, reason)]
-            time.sleep(0.05)
+                reason = _death(rank_set.post_mortem(), timeout, killed_after=timeout)
+                return watch.reports + [self._failure(item, rank_set, watch.phase(), reason)]
+            _sleep(0.05)
 
-    def _death(
-        self, rank_set: RankSet, timeout: float, killed_after: float | None = None, interrupted: bool = False
-    ) -> str:
-        """Why the rank set ended before the test did, with each rank's stacks or log tail."""
-        timed_out = [r for r in range(rank_set.world_size) if TIMEOUT_BANNER in rank_set.rank_log(r)]
-        exits, root = rank_set.rank_exits()
-        lines: list[str] = []
-        if timed_out or killed_after is not None:
-            lines.append(
-                f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
-                "and the rank set was killed"
-            )
-            lines += self._collectives(rank_set)
-        died = {r: c for r, c in exits.items() if c != TIMEOUT_EXIT_CODE}
-        if died and not timed_out:
-            order = ([root] if root in died else []) + sorted(r for r in died if r != root)
-            first = order[0]
-            lines.append(f"rank {first} died ({describe_exit(died[first])})")
-            for r in order[1:]:
-                lines.append(
-                    f"rank {r} then ended ({describe_exit(died[r])}; stopped by torchrun after rank {first})"
-                )
-        if not lines and not interrupted:
-            lines.append(f"the rank set ended unexpectedly ({describe_exit(rank_set.proc.returncode or 0)})")
-        for r in range(rank_set.world_size):
-            log = rank_set.rank_log(r)
-            start = log.find(TIMEOUT_BANNER)
-            if start < 0:
-                start = log.find("Fatal Python error")  # faulthandler on SIGSEGV, SIGABRT, ...
-            if start < 0:
-                start = log.find("Thread 0x")  # a dump on SIGUSR1 from the parent's watchdog
-            if start < 0:
-                start = log.rfind("START ")  # this test's part of the log
-            excerpt = log[start:] if start >= 0 else log[-3000:]
-            lines.append(f"---------- rank {r} (log: {rank_set.log_dir / f'rank{r}.log'}) ----------")
-            lines.append(excerpt.rstrip())
-        tail = rank_set.output()[-2500:]
-        lines.append(f"---------- torchrun output (tail; whole: {rank_set.output_path}) ----------")
-        lines.append(tail.rstrip())
-        return "\n".join(lines)
-
-    def _collectives(self, rank_set: RankSet) -> list[str]:
-        """Who is stuck where, from the ranks' flight-recorder dumps (written as they timed out)."""
-        return flight_recorder.section(rank_set.log_dir, rank_set.world_size, time.time_ns())
-
-    def _failure(
-        self,
-        item: pytest.Item,
-        rank_set: RankSet,
-        received: list[pytest.TestReport],
-        started: bool,
-        reason: str,
-    ) -> pytest.TestReport:
-        """The test fails in the phase it had reached; this rank set is finished.
-
-        Reports arrive only once the ranks agreed on a test, so a test that started and sent
-        nothing is charged to its call phase (that is where ranks die or hang in practice).
-        """
-        when = "call" if started else "setup"
-        if received:
-            when = "teardown" if received[-1].when != "setup" or received[-1].outcome != "passed" else "call"
+    def _failure(self, item: pytest.Item, rank_set: RankSet, when: str, reason: str) -> pytest.TestReport:
+        """The test fails in phase ``when`` (see :meth:`TestWatch.phase`); this rank set is finished."""
         world_size = rank_set.world_size
         if self.active.get(world_size) is rank_set:
             self._close(world_size)  # the rest of the batch continues in a fresh rank set
@@ -453,13 +368,132 @@ class Controller:
         )
 
 
+#: the clock and the sleep of the controller's watch loop (a unit test drives them)
+_clock = time.monotonic
+_sleep = time.sleep
+
+
+@dataclass
+class TestWatch:
+    """One test's view of its rank set's events, each event type to its own handler.
+
+    ``to_report`` turns a serialised report back into a pytest report; ``record_warnings`` records
+    the ranks' warnings in this session. A test whose rank set sends something else than its own
+    events (another test started, the test not collected) gets a ``problem``.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    nodeid: str
+    to_report: Callable[[dict[str, Any]], pytest.TestReport]
+    record_warnings: Callable[[list[dict[str, Any]]], None] = lambda data: None
+    reports: list[pytest.TestReport] = field(default_factory=list)
+    started: bool = False
+    finished: bool = False
+    problem: str | None = None
+
+    def handle(self, event: protocol.Event) -> None:
+        _HANDLERS[type(event)](self, event)
+
+    def on_collected(self, event: protocol.Collected) -> None:
+        if self.nodeid not in event.nodeids:
+            self.problem = _not_collected(self.nodeid, event)
+
+    def on_started(self, event: protocol.Started) -> None:
+        if event.nodeid != self.nodeid:
+            self.problem = f"the rank set ran {event.nodeid} instead"
+        else:
+            self.started = True
+
+    def on_warnings(self, event: protocol.Warnings) -> None:
+        self.record_warnings(event.warnings)
+
+    def on_report(self, event: protocol.Report) -> None:
+        self.reports.append(self.to_report(event.report))
+
+    def on_finished(self, event: protocol.Finished) -> None:
+        self.finished = True
+
+    def phase(self) -> str:
+        """The phase a failure of the rank set (death, hang, a wrong event) is charged to.
+
+        Reports arrive only once the ranks agreed on a test, so a test that started and sent
+        nothing is charged to its call phase (that is where ranks die or hang in practice); one
+        that never started, to its setup; after a report, to the phase after the last one reported
+        (call after a passed setup, else teardown).
+        """
+        when = "call" if self.started else "setup"
+        if self.reports:
+            last = self.reports[-1]
+            when = "teardown" if last.when != "setup" or last.outcome != "passed" else "call"
+        return when
+
+
+_HANDLERS: dict[type, Callable[[TestWatch, Any], None]] = {
+    protocol.Collected: TestWatch.on_collected,
+    protocol.Started: TestWatch.on_started,
+    protocol.Warnings: TestWatch.on_warnings,
+    protocol.Report: TestWatch.on_report,
+    protocol.Finished: TestWatch.on_finished,
+}
+
+
+def _death(
+    post_mortem: PostMortem, timeout: float, killed_after: float | None = None, interrupted: bool = False
+) -> str:
+    """:func:`describe_death`, with who is stuck where from the ranks' flight-recorder dumps
+    (written as they timed out) when the test timed out."""
+    collectives = None
+    if post_mortem.timed_out or killed_after is not None:
+        collectives = flight_recorder.section(post_mortem.log_dir, post_mortem.world_size, time.time_ns())
+    return describe_death(post_mortem, timeout, killed_after, interrupted, collectives)
+
+
+def describe_death(
+    post_mortem: PostMortem,
+    timeout: float,
+    killed_after: float | None = None,
+    interrupted: bool = False,
+    collectives: list[str] | None = None,
+) -> str:
+    """Why the rank set ended before the test did, with each rank's stacks or log tail.
+
+    ``killed_after``: the parent killed it after the test's timeout; ``interrupted``: the session
+    was interrupted; ``collectives``: the flight-recorder section of a timeout.
+    """
+    pm = post_mortem
+    lines: list[str] = []
+    if pm.timed_out or killed_after is not None:
+        lines.append(
+            f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
+            "and the rank set was killed"
+        )
+        lines += collectives or []
+    died = pm.died()
+    if died and not pm.timed_out:
+        first, code = died[0]
+        lines.append(f"rank {first} died ({describe_exit(code)})")
+        for r, other in died[1:]:
+            lines.append(
+                f"rank {r} then ended ({describe_exit(other)}; stopped by torchrun after rank {first})"
+            )
+    if not lines and not interrupted:
+        lines.append(f"the rank set ended unexpectedly ({describe_exit(pm.returncode or 0)})")
+    for r in range(pm.world_size):
+        lines.append(f"---------- rank {r} (log: {pm.log_path(r)}) ----------")
+        lines.append(pm.excerpts.get(r, ""))
+    lines.append(f"---------- torchrun output (tail; whole: {pm.output_path}) ----------")
+    lines.append(pm.output_tail.rstrip())
+    return "\n".join(lines)
+
+
 #: a rank's pytest exit code that says only "some tests failed": those failures are reported already
 _TESTS_FAILED = 1
 #: how torchrun stops the other ranks once one has exited non-zero
 _STOPPED_BY_TORCHRUN = -int(signal.SIGTERM)
 
 
-def _abnormal_exits(rank_set: RankSet) -> str:
+def abnormal_exits(post_mortem: PostMortem) -> str:
     """Why a rank set's non-zero exit after its last test is worth a note ("" when it is not).
 
     A rank's pytest exits 1 when any of its tests failed, and torchrun then stops the other ranks
@@ -469,10 +503,10 @@ def _abnormal_exits(rank_set: RankSet) -> str:
     """
     # pytest's own exit status where a rank left one (the set may end before torchrun reports
     # anything), else what torchrun's summary says about the rank
-    exits = {**rank_set.rank_exits()[0], **rank_set.rank_exit_statuses()}
+    exits = {**post_mortem.exits, **post_mortem.exit_statuses}
     described = ", ".join(f"rank {rank}: {describe_exit(code)}" for rank, code in sorted(exits.items()))
     if not exits:
-        return f"torchrun {describe_exit(rank_set.proc.returncode or 0)}, no rank exit codes in its output"
+        return f"torchrun {describe_exit(post_mortem.returncode or 0)}, no rank exit codes in its output"
     codes = set(exits.values())
     if _TESTS_FAILED in codes and codes <= {_TESTS_FAILED, _STOPPED_BY_TORCHRUN}:
         return ""
@@ -534,9 +568,9 @@ def _relay(rank_set: RankSet) -> None:
         sys.stdout.flush()
 
 
-def _not_collected(item: pytest.Item, event: dict[str, Any]) -> str:
+def _not_collected(nodeid: str, event: protocol.Collected) -> str:
     return (
-        f"the launched ranks did not collect {item.nodeid} (they collected {len(event['nodeids'])} tests); "
+        f"the launched ranks did not collect {nodeid} (they collected {len(event.nodeids)} tests); "
         "is its node id stable across processes (e.g. no random parametrize ids)?"
     )
 

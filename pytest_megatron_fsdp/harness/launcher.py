@@ -18,10 +18,18 @@ import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from .protocol import BATCH_FILE_FLAG, REPORT_FILE_FLAG, decode_event, write_batch
+from .protocol import (
+    BATCH_FILE_FLAG,
+    REPORT_FILE_FLAG,
+    TIMEOUT_BANNER,
+    TIMEOUT_EXIT_CODE,
+    Event,
+    decode_event,
+    write_batch,
+)
 from .rank_entry import exit_status_path
 
 #: torchrun's failure summary: "rank : 1 (local_rank: 1)" then "exitcode : 3 (pid: 123)"
@@ -96,7 +104,7 @@ class RankSet:
         )
         self.started = time.monotonic()
         self.tests_finished = 0
-        self._events: deque[dict[str, Any]] = deque()
+        self._events: deque[Event] = deque()
         self._events_offset = 0
         self._output_offset = 0
 
@@ -124,7 +132,7 @@ class RankSet:
 
     # -- watching -----------------------------------------------------------------------------------
 
-    def poll_events(self) -> deque[dict[str, Any]]:
+    def poll_events(self) -> deque[Event]:
         """Newly completed event lines, appended to the pending queue (which is returned)."""
         with open(self.events_path, "rb") as f:
             f.seek(self._events_offset)
@@ -240,6 +248,76 @@ class RankSet:
             if found:
                 root = int(found[0][0])
         return exits, root
+
+    def post_mortem(self) -> PostMortem:
+        """What is known of how this rank set ended (or stands, when it still runs), read once."""
+        exits, root = self.rank_exits()
+        logs = {r: self.rank_log(r) for r in range(self.world_size)}
+        return PostMortem(
+            world_size=self.world_size,
+            returncode=self.proc.returncode,
+            exits=exits,
+            root=root,
+            exit_statuses=self.rank_exit_statuses(),
+            timed_out=[r for r, log in logs.items() if TIMEOUT_BANNER in log],
+            excerpts={r: log_excerpt(log) for r, log in logs.items()},
+            log_dir=self.log_dir,
+            output_tail=self.output()[-OUTPUT_TAIL_CHARS:],
+            output_path=self.output_path,
+        )
+
+
+#: how much of torchrun's output a post-mortem keeps (its end)
+OUTPUT_TAIL_CHARS = 2500
+#: how much of a rank's log a post-mortem keeps when the log has no landmark to start from
+LOG_TAIL_CHARS = 3000
+
+
+def log_excerpt(log: str) -> str:
+    """The part of a rank's log that explains its end: from its timeout banner, else from a fatal
+    signal's dump, else from a stack dump the parent asked for, else the current test's part, else
+    the log's tail."""
+    start = log.find(TIMEOUT_BANNER)
+    if start < 0:
+        start = log.find("Fatal Python error")  # faulthandler on SIGSEGV, SIGABRT, ...
+    if start < 0:
+        start = log.find("Thread 0x")  # a dump on SIGUSR1 from the parent's watchdog
+    if start < 0:
+        start = log.rfind("START ")  # this test's part of the log
+    return (log[start:] if start >= 0 else log[-LOG_TAIL_CHARS:]).rstrip()
+
+
+@dataclass(frozen=True)
+class PostMortem:
+    """How a rank set ended, as plain data: what the controller formats into a failure or a note."""
+
+    world_size: int
+    #: torchrun's exit status (None: it had not exited when this was read)
+    returncode: int | None
+    #: exit code per failed rank, from torchrun's failure summary
+    exits: dict[int, int] = field(default_factory=dict)
+    #: the rank torchrun's summary names as the root cause
+    root: int | None = None
+    #: pytest's exit status per rank that left one (rank_entry)
+    exit_statuses: dict[int, int] = field(default_factory=dict)
+    #: ranks whose watchdog ended them (the timeout banner is in their log)
+    timed_out: list[int] = field(default_factory=list)
+    #: per rank, the part of its log that explains its end (see log_excerpt)
+    excerpts: dict[int, str] = field(default_factory=dict)
+    log_dir: Path = Path()
+    #: torchrun's output, its end
+    output_tail: str = ""
+    output_path: Path = Path()
+
+    def died(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of the ranks that died, not ended by their watchdog: the first failing
+        rank first (the root cause torchrun names, else the lowest rank), then the others."""
+        died = {r: c for r, c in self.exits.items() if c != TIMEOUT_EXIT_CODE}
+        order = ([self.root] if self.root in died else []) + sorted(r for r in died if r != self.root)
+        return [(r, died[r]) for r in order]
+
+    def log_path(self, rank: int) -> Path:
+        return self.log_dir / f"rank{rank}.log"
 
 
 def describe_exit(code: int) -> str:

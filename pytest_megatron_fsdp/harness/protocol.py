@@ -4,10 +4,11 @@
   the two internal options mark a rank set launched this way (:func:`launched_by_parent`);
 * the batch file lists the tests to run, in order, one ``<timeout seconds>\\t<node id>`` per line:
   the parent resolved each test's timeout once, and the ranks use that figure;
-* rank 0 appends events to the events file, one JSON object per line: ``collected`` (node ids),
-  ``start`` (node id), ``warnings`` (node id, every rank's warnings of the test, merged: see
-  :mod:`.warnings_relay`), ``report`` (a pytest report, serialised by pytest's own hook; per-test
-  data such as training-run records rides on it), ``finish`` (node id);
+* rank 0 appends events to the events file, one JSON object per line, each a small type below:
+  :class:`Collected` (node ids), :class:`Started` (node id), :class:`Warnings` (node id, every
+  rank's warnings of the test, merged: see :mod:`.warnings_relay`), :class:`Report` (a pytest
+  report, serialised by pytest's own hook; per-test data such as training-run records rides on it),
+  :class:`Finished` (node id);
 * a rank ended by its watchdog writes :data:`TIMEOUT_BANNER` into its log and exits with
   :data:`TIMEOUT_EXIT_CODE`.
 
@@ -19,8 +20,9 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -49,8 +51,10 @@ def add_internal_options(group: Any) -> None:
 
 
 def launched_by_parent(config: pytest.Config) -> bool:
-    """Whether this process is a rank of a set that a plain-pytest parent launched."""
-    return config.getoption(REPORT_FILE_DEST, None) is not None
+    """Whether this process is a rank of a set that a plain-pytest parent launched (also before
+    configure, when only the early parse of the command line holds the flags)."""
+    early = getattr(getattr(config, "known_args_namespace", None), REPORT_FILE_DEST, None)
+    return config.getoption(REPORT_FILE_DEST, None) is not None or early is not None
 
 
 def batch_dir(config: pytest.Config) -> Path:
@@ -81,23 +85,75 @@ def read_batch(path: Path) -> list[tuple[str, float]]:
 
 
 # -- events ---------------------------------------------------------------------------------------
+# One small type per event; the wire format is one JSON object per line, ``{"event": <kind>, ...fields}``.
 
 
-def encode_event(kind: str, **data: Any) -> str:
-    return json.dumps({"event": kind, **data}) + "\n"
+@dataclass(frozen=True)
+class Collected:
+    """The node ids rank 0 collected, in order."""
+
+    nodeids: list[str]
+    kind: ClassVar[str] = "collected"
 
 
-def decode_event(line: bytes) -> dict[str, Any]:
-    return json.loads(line)
+@dataclass(frozen=True)
+class Started:
+    """The ranks agreed to start this test."""
+
+    nodeid: str
+    kind: ClassVar[str] = "start"
+
+
+@dataclass(frozen=True)
+class Warnings:
+    """Every rank's warnings of the test, merged (see :mod:`.warnings_relay`)."""
+
+    nodeid: str
+    warnings: list[dict[str, Any]]
+    kind: ClassVar[str] = "warnings"
+
+
+@dataclass(frozen=True)
+class Report:
+    """One agreed pytest report, serialised by pytest's own hook (training-run records ride on it)."""
+
+    report: dict[str, Any]
+    kind: ClassVar[str] = "report"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The test is over on every rank (its reports were all sent)."""
+
+    nodeid: str
+    kind: ClassVar[str] = "finish"
+
+
+Event = Collected | Started | Warnings | Report | Finished
+EVENT_TYPES: dict[str, type] = {t.kind: t for t in (Collected, Started, Warnings, Report, Finished)}
+
+
+def encode_event(event: Event) -> str:
+    return json.dumps({"event": event.kind, **asdict(event)}) + "\n"
+
+
+def decode_event(line: bytes | str) -> Event:
+    data = json.loads(line)
+    kind = data.pop("event")
+    try:
+        return EVENT_TYPES[kind](**data)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not an event of the rank-set protocol: {line!r}") from exc
 
 
 # -- logs -----------------------------------------------------------------------------------------
 
 
-def log_dir(config: pytest.Config, explicit: str | None, name: str) -> Path:
-    """Where a rank set's logs go: ``--mfsdp-log-dir`` as given to a launched rank set, else
-    ``<log-dir or .pytest_cache/d/mfsdp-logs>/<name>`` (kept after the run, replaced by the next)."""
-    if explicit and launched_by_parent(config):
+def log_dir(config: pytest.Config, explicit: str | None, name: str, chosen_by_parent: bool = False) -> Path:
+    """Where a rank set's logs go: ``--mfsdp-log-dir`` as the parent gave it to a launched rank set
+    (``chosen_by_parent``), else ``<log-dir or .pytest_cache/d/mfsdp-logs>/<name>`` (kept after the
+    run, replaced by the next)."""
+    if explicit and chosen_by_parent:
         return Path(explicit)  # the parent already chose this rank set's own directory
     if explicit:
         return Path(explicit) / name

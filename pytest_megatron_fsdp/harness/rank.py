@@ -31,7 +31,7 @@ from typing import IO, Any
 import pytest
 from _pytest.runner import runtestprotocol
 
-from . import flight_recorder, warnings_relay
+from . import flight_recorder, protocol, warnings_relay
 from .agreement import merge_reports, summarise
 from .protocol import (
     BATCH_FILE_DEST,
@@ -39,7 +39,6 @@ from .protocol import (
     TIMEOUT_BANNER,
     TIMEOUT_EXIT_CODE,
     encode_event,
-    launched_by_parent,
     read_batch,
     spec_of,
 )
@@ -51,7 +50,8 @@ PEER_DUMP_GRACE_S = 5.0
 
 
 class RankPlugin:
-    """Registered in every torchrun rank, as ``mfsdp-rank``."""
+    """What every torchrun rank does (registered as ``mfsdp-rank`` through ``roles``: a launched
+    rank's or a torchrun-mode rank's plugin, each one of these)."""
 
     def __init__(
         self,
@@ -62,6 +62,7 @@ class RankPlugin:
         default_timeout_s: float,
         distributed_logs: bool = False,
         private_temp: Path | None = None,
+        launched: bool = False,
     ) -> None:
         self.config = config
         self.torchrun = torchrun
@@ -71,7 +72,8 @@ class RankPlugin:
         self._agreement_timeout_s = agreement_timeout_s
         #: for tests without the marker that run in this rank session (torchrun mode)
         self._default_timeout_s = default_timeout_s
-        self.launched = launched_by_parent(config)
+        #: a rank of a set the plain-mode parent launched (else a torchrun-mode rank)
+        self.launched = launched
         self._report_file = config.getoption(REPORT_FILE_DEST)
         #: the parent's resolved timeout per test (launched rank sets only)
         self._batch_timeouts: dict[str, float] = {}
@@ -130,9 +132,9 @@ class RankPlugin:
     def _log(self, text: str) -> None:
         self.log.write(f"[{time.strftime('%H:%M:%S')}] {text}\n")
 
-    def _event(self, kind: str, **data: Any) -> None:
+    def _event(self, event: protocol.Event) -> None:
         if self.events is not None:
-            self.events.write(encode_event(kind, **data))
+            self.events.write(encode_event(event))
 
     def _quiet_terminal(self, config: pytest.Config) -> None:
         """This rank's terminal report goes to its log file (rank 0's reaches the user)."""
@@ -196,7 +198,7 @@ class RankPlugin:
                     "every rank must collect the same tests in the same order (check for rank-dependent "
                     "collection, e.g. conftest code reading RANK, or files differing between nodes)"
                 )
-        self._event("collected", nodeids=mine)
+        self._event(protocol.Collected(nodeids=mine))
 
     # -- running ------------------------------------------------------------------------------------
 
@@ -217,7 +219,7 @@ class RankPlugin:
         timeout = self.timeout_for(item)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         self._log(f"START {item.nodeid} (timeout {timeout:g} s)")
-        self._event("start", nodeid=item.nodeid)
+        self._event(protocol.Started(nodeid=item.nodeid))
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
             with warnings_relay.capture() if self._relay_warnings else nullcontext([]) as caught:
@@ -227,15 +229,13 @@ class RankPlugin:
                 item, index, reports, rank_session, deadline, warnings_relay.to_data(caught)
             )
         if self._test_warnings:
-            self._event("warnings", nodeid=item.nodeid, warnings=self._test_warnings)
+            self._event(protocol.Warnings(nodeid=item.nodeid, warnings=self._test_warnings))
         for report in merged:
             item.ihook.pytest_runtest_logreport(report=report)
-            self._event(
-                "report",
-                report=self.config.hook.pytest_report_to_serializable(config=self.config, report=report),
-            )
+            data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+            self._event(protocol.Report(report=data))
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        self._event("finish", nodeid=item.nodeid)
+        self._event(protocol.Finished(nodeid=item.nodeid))
         return True
 
     def _check_after_test(

@@ -36,6 +36,11 @@ class TorchrunEnv:
     world_size: int
     local_rank: int
     local_world_size: int
+    #: the rendezvous store's address (torchrun's MASTER_ADDR, MASTER_PORT)
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    #: torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does
+    agent_store: bool = False
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> TorchrunEnv | None:
@@ -48,6 +53,9 @@ class TorchrunEnv:
             world_size=world,
             local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
             local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world)),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(environ["MASTER_PORT"]) if "MASTER_PORT" in environ else None,
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
 
@@ -58,12 +66,13 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     """
     import torch.distributed as dist
 
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if torchrun.master_port is None:
+        raise RuntimeError("MASTER_PORT is not set: start the ranks with torchrun")
     return dist.TCPStore(
-        host_name=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        port=int(os.environ["MASTER_PORT"]),
+        host_name=torchrun.master_addr,
+        port=torchrun.master_port,
         world_size=torchrun.world_size,
-        is_master=torchrun.rank == 0 and not agent_store,
+        is_master=torchrun.rank == 0 and not torchrun.agent_store,
         timeout=timeout,
         multi_tenant=True,
     )

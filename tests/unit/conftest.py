@@ -7,6 +7,7 @@ sessions print the same on a laptop and on CI, and a test that is about CI outpu
 """
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,3 +53,24 @@ def leftover_processes() -> Callable[[Path], list[str]]:
         return found
 
     return running
+
+
+def torchrun_pytest_command(*pytest_args: str, nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=N -m pytest <args>``: a
+    torchrun-mode session on one node, with this interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "pytest",
+        *pytest_args,
+    ]
+
+
+@pytest.fixture
+def torchrun_pytest() -> Callable[..., list[str]]:
+    """The command line of a torchrun-mode pytest session (see :func:`torchrun_pytest_command`)."""
+    return torchrun_pytest_command

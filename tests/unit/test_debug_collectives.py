@@ -5,7 +5,6 @@ torch's TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every process group (ProcessGroupWr
 collective the ranks compare op, shapes and dtypes through a helper gloo group.
 """
 
-import sys
 import time
 
 TEST_TIMEOUT_S = 60
@@ -77,20 +76,14 @@ def test_mismatched_collectives_fail_at_once_on_every_rank(
     assert list(isolated_tmp.iterdir()) == []
 
 
-def test_torchrun_mode_too(pytester, monkeypatch, leftover_processes, isolated_tmp):
+def test_torchrun_mode_too(pytester, monkeypatch, leftover_processes, isolated_tmp, torchrun_pytest):
     """The user's own torchrun: the option (here from the environment) takes effect in each rank's
     pytest before any conftest or test module runs."""
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     monkeypatch.setenv("MFSDP_DEBUG_COLLECTIVES", "true")
     pytester.makepyfile(test_mismatch=MISMATCH)
     result = pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
+        *torchrun_pytest(),
         "-p",
         "no:cacheprovider",
         "--mfsdp-platform=cpu",

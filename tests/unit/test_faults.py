@@ -174,7 +174,7 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
     assert sorted(p.name for p in isolated_tmp.iterdir()) == [], list(isolated_tmp.iterdir())
 
 
-def test_ranks_must_collect_the_same_tests(pytester, isolated_tmp, leftover_processes):
+def test_ranks_must_collect_the_same_tests(pytester, isolated_tmp, leftover_processes, torchrun_pytest):
     pytester.makepyfile(
         test_two="""
 import pytest
@@ -193,13 +193,7 @@ def test_b(dist_env): pass
     )
     started = time.monotonic()
     result = pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
+        *torchrun_pytest(),
         "-p",
         "no:cacheprovider",
         "--mfsdp-platform=cpu",
@@ -219,7 +213,7 @@ def test_b(dist_env): pass
     assert leftover_processes(pytester.path) == []
 
 
-def test_torchrun_mode_agrees_on_outcomes_and_only_rank0_prints(pytester, isolated_tmp):
+def test_torchrun_mode_agrees_on_outcomes_and_only_rank0_prints(pytester, isolated_tmp, torchrun_pytest):
     pytester.makepyfile(
         test_agree="""
 import pytest
@@ -233,13 +227,7 @@ def test_fine(dist_env):
 """
     )
     result = pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
+        *torchrun_pytest(),
         "--mfsdp-platform=cpu",
         "-rA",
         timeout=120,

@@ -1,9 +1,14 @@
 """The package's architecture, held by its imports.
 
 Three concerns, arrows only pointing down: ``harness/`` (launching and watching ranks) imports
-nothing from ``fsdp/`` (the Megatron-FSDP domain) or ``reporting/``; the domain imports no pytest;
-the entry module loads no torch; and no module imports one that imports it back. Every import
-counts: module-level, lazy (inside a function) and ``TYPE_CHECKING``-only ones.
+nothing from ``fsdp/`` (the Megatron-FSDP domain), ``reporting/`` or the Megatron-specific CPU mode
+(``cpu_mode``); the domain imports no pytest; the entry module loads no torch; and no module
+imports one that imports it back. Every import counts: module-level, lazy (inside a function) and
+``TYPE_CHECKING``-only ones.
+
+A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles.py``),
+decided once: only the role decision reads the torchrun environment or the launched-by-parent flag,
+and exactly one role plugin is registered per process.
 """
 
 from __future__ import annotations
@@ -100,10 +105,51 @@ def layering_problems(root: Path) -> list[str]:
             problems += [
                 f"{module} imports {t}"
                 for t in sorted(targets)
-                if t.startswith((f"{name}.fsdp", f"{name}.reporting"))
+                if t.startswith((f"{name}.fsdp", f"{name}.reporting", f"{name}.cpu_mode"))
             ]
     loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
     problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
+    return problems + role_problems(root)
+
+
+#: the variables torchrun sets for its ranks (and its agent's TORCHELASTIC_*)
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+#: the functions that tell a process's role: torchrun's variables parsed, the parent's flag read
+ROLE_READERS = ("from_environ", "launched_by_parent")
+#: the modules that may name them, and why
+ROLE_MODULES = {
+    "roles": "decides the role, once",
+    "harness.session": "TorchrunEnv.from_environ parses torchrun's variables (called by roles only)",
+    "harness.protocol": "defines the launched-by-parent flag",
+    "harness.launcher": "names torchrun's variables to remove them from the rank sets it launches",
+    "harness.rank_entry": "a launched rank's entry point: its rank, before pytest (and the role) exist",
+}
+
+
+def role_problems(root: Path) -> list[str]:
+    """Modules outside ROLE_MODULES that name a torchrun variable or call a role reader."""
+    allowed = {f"{root.name}.{m}" for m in ROLE_MODULES}
+    problems = []
+    for module, path in sorted(_modules(root).items()):
+        if module in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value in TORCHRUN_VARIABLES or node.value.startswith("TORCHELASTIC_"):
+                    problems.append(f"{module} reads torchrun's {node.value}")
+            field = {ast.Attribute: "attr", ast.Name: "id", ast.alias: "name"}.get(type(node))
+            name = getattr(node, field) if field else None
+            if name in ROLE_READERS:
+                problems.append(f"{module} asks which role it plays ({name})")
     return problems
 
 
@@ -158,7 +204,66 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
             "pkg.harness.e imports pkg.fsdp.d",
         ),
         ({"plugin.py": "from . import heavy\n", "heavy.py": "import torch\n"}, "pkg.plugin loads torch"),
+        (
+            {"harness/__init__.py": "", "cpu_mode.py": "", "harness/f.py": "from .. import cpu_mode\n"},
+            "pkg.harness.f imports pkg.cpu_mode",
+        ),
+        ({"plugin.py": "import os\nrank = os.environ['RANK']\n"}, "pkg.plugin reads torchrun's RANK"),
+        (
+            {"fixtures.py": "import os\nx = os.environ.get('TORCHELASTIC_RUN_ID')\n"},
+            "pkg.fixtures reads torchrun's TORCHELASTIC_RUN_ID",
+        ),
+        (
+            {
+                "harness/__init__.py": "",
+                "harness/g.py": "from .session import TorchrunEnv\nTorchrunEnv.from_environ()\n",
+            },
+            "pkg.harness.g asks which role it plays (from_environ)",
+        ),
+        (
+            {"harness/__init__.py": "", "harness/h.py": "from .protocol import launched_by_parent\n"},
+            "pkg.harness.h asks which role it plays (launched_by_parent)",
+        ),
     ],
 )
 def test_the_check_fails_on_each_kind_of_violation(tmp_path, files, expected):
     assert expected in layering_problems(_package(tmp_path, files))
+
+
+@pytest.mark.parametrize(
+    "environ, args, expected",
+    [
+        ({}, [], "ParentPlugin"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], "TorchrunRankPlugin"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+            ["--mfsdp-report-file={tmp}/events.jsonl", "--mfsdp-batch-file={tmp}/batch.txt"],
+            "LaunchedRankPlugin",
+        ),
+    ],
+)
+def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, environ, args, expected):
+    """A configured session of each role (in process, no rank started) holds one role plugin, of
+    its role's class, and no other controller or rank plugin."""
+    from pytest_megatron_fsdp import cpu_mode, roles
+    from pytest_megatron_fsdp.harness.controller import Controller
+    from pytest_megatron_fsdp.harness.rank import RankPlugin
+
+    monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
+    monkeypatch.setattr(cpu_mode, "disable", lambda: None)
+    monkeypatch.setattr(RankPlugin, "_quiet_terminal", lambda self, config: None)  # keeps this stdout
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    tmp = pytester.path
+    (tmp / "batch.txt").write_text("")
+    config = pytester.parseconfigure(
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        f"--mfsdp-log-dir={tmp}/logs",
+        *(a.format(tmp=tmp) for a in args),
+    )
+    plugins = config.pluginmanager.get_plugins()
+    role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankPlugin))]
+    assert [type(p).__name__ for p in role_plugins] == [expected]
+    assert type(role_plugins[0]) is roles.role_of(config).plugin_class

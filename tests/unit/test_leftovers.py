@@ -73,20 +73,14 @@ def test_make_test_and_make_smoke_leave_tmpdir_as_they_found_it(fresh_tmpdir):
         assert _listing(tmpdir) == [], f"make {target} left: {_listing(tmpdir)}"
 
 
-def test_the_seeds_torchrun_command_leaves_only_torchruns_own_dir(fresh_tmpdir):
+def test_the_seeds_torchrun_command_leaves_only_torchruns_own_dir(fresh_tmpdir, torchrun_pytest):
     """Under torchrun every rank is a pytest session: its basetemp and the inductor cache go with it.
     torchrun itself makes a torchelastic_* dir before any rank starts and never removes it; the make
     targets give it a $TMPDIR of its own for that reason."""
     tmpdir, test_file = fresh_tmpdir
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "pytest",
+            *torchrun_pytest(),
             str(test_file),
             "-p",
             "no:cacheprovider",
@@ -104,18 +98,12 @@ def test_the_seeds_torchrun_command_leaves_only_torchruns_own_dir(fresh_tmpdir):
     assert left == [], f"left in $TMPDIR: {_listing(tmpdir)}"
 
 
-def test_an_explicit_basetemp_is_kept_one_per_rank(fresh_tmpdir):
+def test_an_explicit_basetemp_is_kept_one_per_rank(fresh_tmpdir, torchrun_pytest):
     tmpdir, test_file = fresh_tmpdir
     keep = tmpdir.parent / "keep"
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "pytest",
+            *torchrun_pytest(),
             str(test_file),
             "-k",
             "test_plain",

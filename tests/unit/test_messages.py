@@ -9,8 +9,8 @@ Pure parts (the merged failure text, the log filter) on their own; then two plai
 import logging
 from pathlib import Path
 
+from pytest_megatron_fsdp.cpu_mode import EMULATED_DEVICE_WARNING, MEGATRON_FSDP_LOGGERS
 from pytest_megatron_fsdp.harness.agreement import error_signature, failure_text
-from pytest_megatron_fsdp.plugin import EMULATED_DEVICE_WARNING, MEGATRON_FSDP_LOGGERS
 
 LOGS = Path("/logs")
 TRACEBACK = """\

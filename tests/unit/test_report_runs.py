@@ -8,7 +8,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -157,14 +156,13 @@ def test_plain_mode_report_junit_and_summary(pytester):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_torchrun_mode_report_junit_and_summary(pytester):
+def test_torchrun_mode_report_junit_and_summary(pytester, torchrun_pytest):
     pytester.makepyfile(test_runs=RUNS)
     # Environment, not flag, for the report: the options registry's env route, as CI would set it.
     env = dict(os.environ)  # plain: tests/unit/conftest.py removed torchrun variables
     env["MFSDP_REPORT_JSON"] = "out/report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["-m", "pytest", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--junitxml=out/junit.xml"],
+        torchrun_pytest("-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--junitxml=out/junit.xml"),
         cwd=pytester.path,
         env=env,
         capture_output=True,

@@ -1,7 +1,5 @@
 """--mfsdp-reruns: a failed distributed test is rerun, each attempt in a fresh rank set."""
 
-import sys
-
 import pytest
 
 # Each rank appends "<pid> <rank-set log dir>" to attempts-<test>-rank<R>.txt: one line per attempt.
@@ -123,19 +121,10 @@ def test_a_bad_marker_reruns_is_one_line(pytester):
     assert "reruns=True must be a whole number, 0 or more" in result.stderr.str()
 
 
-def test_torchrun_mode_refuses_reruns_in_one_line(pytester):
+def test_torchrun_mode_refuses_reruns_in_one_line(pytester, torchrun_pytest):
     pytester.makepyfile("import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_x(dist_env): pass\n")
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
-    ]
     result = pytester.run(
-        *torchrun, "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--mfsdp-reruns=1", timeout=120
+        *torchrun_pytest(), "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--mfsdp-reruns=1", timeout=120
     )
     assert result.ret != 0
     text = result.stdout.str() + result.stderr.str()
@@ -150,7 +139,7 @@ def test_torchrun_mode_refuses_reruns_in_one_line(pytester):
     assert " passed" not in text
     # the ini key is a standing setting: unused under torchrun, not refused
     pytester.makeini("[pytest]\nmfsdp_reruns = 2\n")
-    result = pytester.run(*torchrun, "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120)
+    result = pytester.run(*torchrun_pytest(), "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120)
     assert result.ret == 0, result.stdout.str()
     assert "1 passed" in result.stdout.str()
 

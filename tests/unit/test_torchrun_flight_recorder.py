@@ -1,7 +1,6 @@
 """Under the user's own torchrun, a timed-out test's output says who is stuck where, as the
 plain-mode report does: rank 0 aligns every rank's c10d flight record before the ranks end."""
 
-import sys
 import time
 
 HANG_TIMEOUT_S = 6
@@ -21,7 +20,9 @@ def test_rank1_skips_the_broadcast(dist_env):
 """
 
 
-def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, leftover_processes, isolated_tmp):
+def test_a_torchrun_hang_names_who_never_entered_which_collective(
+    pytester, leftover_processes, isolated_tmp, torchrun_pytest
+):
     pytester.makepyfile(test_stuck=STUCK)
     logs = pytester.path / "logs"
     # an earlier session's records in the same log dir must not be taken for this one's
@@ -33,13 +34,7 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(pytester, left
         (logs / "torchrun" / f"rank{rank}.fr").write_bytes(b"stale")
     started = time.monotonic()
     result = pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
+        *torchrun_pytest(),
         "-p",
         "no:cacheprovider",
         "--mfsdp-platform=cpu",

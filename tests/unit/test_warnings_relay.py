@@ -1,6 +1,5 @@
 """Warnings raised in the ranks reach the plain-mode parent's warnings summary, once."""
 
-import sys
 import warnings
 
 import pytest
@@ -61,16 +60,10 @@ def test_error_filter_and_disabled_warnings_plugin_behave_as_for_local_tests(pyt
     assert "warnings summary" not in result.stdout.str()
 
 
-def test_torchrun_mode_summary_is_rank0s_as_before(pytester):
+def test_torchrun_mode_summary_is_rank0s_as_before(pytester, torchrun_pytest):
     pytester.makepyfile(test_warn=WARNING_TESTS)
     result = pytester.run(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "pytest",
+        *torchrun_pytest(),
         "-p",
         "no:cacheprovider",
         "--mfsdp-platform=cpu",

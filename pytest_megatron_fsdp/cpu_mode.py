@@ -1,0 +1,48 @@
+"""CPU ranks for Megatron-FSDP: the CUDA-on-CPU emulation and the one Megatron log line it causes.
+
+A CPU rank turns both on before any conftest or test module imports megatron, and off at its end.
+The emulation itself (:mod:`.harness.cuda_emulation`) patches torch only; what is Megatron's here
+is the logger names and the message the emulation makes Megatron-FSDP log.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+class _EmulatedDeviceWarning(logging.Filter):
+    """Drops one known log line in CPU ranks, the emulation's own doing: Megatron-FSDP is given
+    ``device=cpu`` while the emulated ``torch.cuda.current_device()`` answers 0, so every wrapper
+    logs "Megatron-FSDP is using device cpu instead of the current device cuda:0 ...". Any other
+    record (another device, another message) passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (
+            "Megatron-FSDP is using device cpu instead of the current device cuda:0"
+            not in record.getMessage()
+        )
+
+
+EMULATED_DEVICE_WARNING = _EmulatedDeviceWarning()
+#: where Megatron-FSDP's wrapper logs it: megatron-core's bundled copy, and the standalone package
+MEGATRON_FSDP_LOGGERS = (
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    "megatron_fsdp.megatron_fsdp",
+)
+
+
+def enable() -> None:
+    """The emulation on (imports torch), the emulation's log line filtered out."""
+    from .harness import cuda_emulation
+
+    cuda_emulation.enable()
+    for name in MEGATRON_FSDP_LOGGERS:
+        logging.getLogger(name).addFilter(EMULATED_DEVICE_WARNING)
+
+
+def disable() -> None:
+    from .harness import cuda_emulation
+
+    cuda_emulation.disable()
+    for name in MEGATRON_FSDP_LOGGERS:
+        logging.getLogger(name).removeFilter(EMULATED_DEVICE_WARNING)
