@@ -537,11 +537,24 @@ GLOO_CONCURRENT_COALESCED_ALL_GATHERS = KnownBug(
     package="torch",
 )
 
+#: ``no_shard``: the gradient norm Megatron logs (and clips by) counts every rank's full, replicated
+#: gradient once per data-parallel rank: measured on 2 CPU ranks with megatron-core 0.16.1, exactly
+#: sqrt(2) times Megatron DDP's norm at every iteration (2.2020867 vs 1.5571105), losses equal (no
+#: clipping in the tiny preset). Equal to DDP's on 0.19.2; 0.17 and 0.18 were not measured, so
+#: ``fixed_in`` is the first version known to carry the fix (an XPASS on an earlier one says to lower it).
+NO_SHARD_GRAD_NORM_OVER_COUNTED = KnownBug(
+    "upstream bug (measured on 0.16.1): no_shard's grad norm counts the replicated gradient once per "
+    "data-parallel rank (sqrt(2) x DDP's on 2 ranks), so clipping is too strong; no upstream report "
+    "found; equal to DDP's from megatron-core 0.19.2 (0.17, 0.18 not measured)",
+    fixed_in="0.19.2",
+)
+
 KNOWN_BUGS = {
     "gloo_concurrent_coalesced_all_gathers": GLOO_CONCURRENT_COALESCED_ALL_GATHERS,
     "swiglu_handler_lookup": SWIGLU_HANDLER_LOOKUP,
     "fully_shard_eager_optimizer_step": FULLY_SHARD_EAGER_OPTIMIZER_STEP,
     "no_shard_param_sync": NO_SHARD_PARAM_SYNC,
+    "no_shard_grad_norm_over_counted": NO_SHARD_GRAD_NORM_OVER_COUNTED,
     "optim_overlap_double_count": OPTIM_OVERLAP_DOUBLE_COUNT,
     "optim_sync_double_reduce": OPTIM_SYNC_DOUBLE_REDUCE,
     "tensor_parallel_without_te": TENSOR_PARALLEL_WITHOUT_TE,
