@@ -545,7 +545,8 @@ GLOO_CONCURRENT_COALESCED_ALL_GATHERS = KnownBug(
 NO_SHARD_GRAD_NORM_OVER_COUNTED = KnownBug(
     "upstream bug (measured on 0.16.1): no_shard's grad norm counts the replicated gradient once per "
     "data-parallel rank (sqrt(2) x DDP's on 2 ranks), so clipping is too strong; no upstream report "
-    "found; equal to DDP's from megatron-core 0.19.2 (0.17, 0.18 not measured)",
+    "found; equal to DDP's from megatron-core 0.19.2 (0.17, 0.18 not measured); reproduction: "
+    "tests/functional/test_strategies.py (test_no_shard, compared with DDP's grad norms)",
     fixed_in="0.19.2",
 )
 
