@@ -42,6 +42,10 @@ class Mutant:
     replays: str | None = None
     #: why no CPU-rank test can kill it, and the GPU test that would (None: the suite must kill it)
     cpu_undetectable: str | None = None
+    #: the test (path under tests/functional, pytest node id) expected to fail first: the runner runs it
+    #: alone before the suite. It only orders the work: when the probe passes, the whole suite runs and
+    #: judges the mutant, so a stale probe costs time, never a wrong verdict.
+    probe: str | None = None
 
 
 CATEGORIES = (
@@ -71,6 +75,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """The data-parallel gradient is summed, not averaged (scaling factor 1 instead of 1/dp).
         Both entry points, every strategy. Symptom: gradients and the grad norm twice DDP's; with SGD
         the losses leave DDP's at iteration 2; Adam is nearly scale-invariant and hides most of it.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "premul_factor_dropped",
@@ -81,6 +86,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """The fused pre-multiplied sum (gradient_reduce_div_fusion, the default for fp32 gradients)
         loses its 1/dp factor. Both entry points, every strategy, fp32 gradient communication.
         Symptom: gradients summed over ranks (x dp); grad norm x dp.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "unfused_scale_squared",
@@ -91,6 +97,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """The unfused path (bf16 gradient communication, where premul-sum is not used) scales by
         1/dp twice. fully_shard with a bf16 grad_comm_dtype; megatron-core bf16 runs communicate in
         fp32 by default. Symptom: gradients halved on 2 ranks; losses drift from the fp32 run.""",
+        probe="test_fully_shard.py::test_fully_shard_bf16_mixed_precision_trains",
     ),
     # --- gradient accumulation ---------------------------------------------------------------------
     Mutant(
@@ -102,6 +109,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """Unsharded gradient buffers (no_shard, optim) overwrite instead of accumulating across
         micro-batches. Both entry points. Symptom: with several micro-batches per step only the last
         one's gradient counts; with one micro-batch nothing changes.""",
+        probe="test_strategies.py::test_gradient_accumulation_four_microbatches[optim]",
     ),
     Mutant(
         "sharded_accum_overwrites",
@@ -112,6 +120,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """Sharded gradient buffers (optim_grads, optim_grads_params) overwrite the reduced shard
         instead of accumulating it over micro-batches. Both entry points. Symptom: with several
         micro-batches per step only the last one's gradient counts.""",
+        probe="test_strategies.py::test_gradient_accumulation_four_microbatches[optim_grads_params]",
     ),
     Mutant(
         "unsharded_reduced_every_microbatch",
@@ -124,6 +133,7 @@ MUTANTS: tuple[Mutant, ...] = (
         micro-batch, not only the last: the accumulated buffer is reduced (and scaled) again each
         time. Both entry points with several micro-batches per step. Symptom: early micro-batches'
         gradients scaled by 1/dp more than once (mixed with other ranks' values) before the step.""",
+        probe="test_strategies.py::test_gradient_accumulation_four_microbatches[optim]",
     ),
     Mutant(
         "grad_buffer_not_zeroed",
@@ -134,6 +144,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """zero_grad_buffer() no longer zeroes Megatron-FSDP's gradient buffers: gradients accumulate
         across optimizer steps. Both entry points, every strategy. Symptom: from step 2 on each
         update also applies every earlier step's gradient.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     # --- reduce groups and buckets ------------------------------------------------------------------
     Mutant(
@@ -146,6 +157,7 @@ MUTANTS: tuple[Mutant, ...] = (
         parameters have their gradient. Both entry points, strategies that reduce in the
         post-backward hook. Symptom: one parameter per bucket reduced before its gradient arrived
         (and the bucket reduced twice); wrong gradients.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "reduce_scatter_over_world",
@@ -160,6 +172,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """The sharded gradients' reduce-scatter runs over the whole world instead of the bucket's
         data-parallel group. Both entry points, sharded strategies. Identical on 2 ranks with
         dp = world; with tp=2 x dp=2 or HSDP the wrong ranks are summed (or the sizes mismatch).""",
+        probe="test_strategies.py::test_tensor_parallel_2",
     ),
     Mutant(
         "sync_reduce_scatter_skipped",
@@ -170,6 +183,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """finish_grad_sync with overlap_grad_reduce=False no longer reduce-scatters unsharded
         gradients ('optim' strategy). megatron-core entry point. Symptom: each rank steps its
         optimizer shard on its own gradient: ranks diverge from DDP at iteration 2.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim-False]",
     ),
     # --- parameter all-gather and prefetch ----------------------------------------------------------
     Mutant(
@@ -181,6 +195,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """A gathered bucket is marked ready without waiting for its all-gather. Both entry points,
         optim_grads_params (weights sharded). Symptom on GPUs: the forward reads a half-written
         bucket (stream race); on CPU ranks gloo's async all-gather may or may not be done.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "all_gather_from_rank0_shard",
@@ -196,6 +211,7 @@ MUTANTS: tuple[Mutant, ...] = (
         rank's shard: identical for a sharded buffer (it holds the shard only), wrong for an
         unsharded one. Both entry points. Symptom: only where a weight buffer is unsharded and
         gathered anyway; likely equivalent on every path the suite runs.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads-True]",
     ),
     Mutant(
         "sync_param_gather_skips_buckets",
@@ -208,6 +224,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """start_param_sync without overlap (overlap_param_gather=False) gathers all buckets but the
         first (off-by-one range). megatron-core entry point, sharded strategies without overlap.
         Symptom: the first bucket's waits find it EMPTY (ValueError) or it keeps stale weights.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads-False]",
     ),
     # --- shard offsets and sizes -------------------------------------------------------------------
     Mutant(
@@ -219,6 +236,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """Each rank's shard of a bucket is taken from the mirrored position (rank r owns shard
         dp-1-r) while collectives still place rank r's data at r. Both entry points, every
         strategy. Symptom: gathered weights and reduced gradients land in the wrong place.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "shard_slice_end_off_by_one",
@@ -229,6 +247,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """The slice of a parameter inside a shard ends one element early when the shard ends
         inside the parameter. Both entry points, sharded strategies. Symptom: one element per
         shard boundary is never stored / updated (or a size mismatch on copy).""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "bucket_not_padded_to_dp",
@@ -239,6 +258,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """Buckets are no longer padded to a multiple of the data-parallel size: shard_size rounds
         down and the tail of each bucket belongs to no rank. Both entry points, sharded strategies.
         Symptom: size mismatches in the collectives, or tail elements never trained.""",
+        probe="test_strategies.py::test_hsdp_two_optimizer_instances_train_and_round_trip[optim]",
     ),
     Mutant(
         "virtual_shard_offset_sign",
@@ -254,6 +274,7 @@ MUTANTS: tuple[Mutant, ...] = (
         slice's gradient/weights. Measured: on 2 ranks rank 1's offset becomes -(bucket size) and Python's
         negative slicing lands on the right elements (the whole 2-rank suite passed); 4 data-parallel
         ranks expose it.""",
+        probe="test_four_data_parallel_ranks.py::test_fully_shard_on_four_ranks_matches_torch_ddp[optim]",
     ),
     # --- optimizer step and copy-back --------------------------------------------------------------
     Mutant(
@@ -265,6 +286,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """The distributed optimizer no longer copies Megatron-FSDP's updated main weights into the
         model's compute weights. megatron-core entry point, every strategy. Symptom: the model
         never changes: losses do not decrease, the state dict's main weights and model disagree.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "copy_back_into_main",
@@ -275,6 +297,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """copy_main_weights_to_model_weights copies in the wrong direction (model -> main): every
         step's update is overwritten by the old compute weights. Both entry points. Symptom: the
         model never learns.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "optimizer_gets_full_grad",
@@ -285,6 +308,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """update_main_grads treats 'optim' and 'optim_grads' as unsharded optimizer state and hands
         the optimizer the whole gradient. Both entry points, optim / optim_grads. Symptom: shape
         mismatch between the sharded main weight and its gradient (or a wrong slice).""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads-True]",
     ),
     # --- no_shard parameter sync ---------------------------------------------------------------------
     Mutant(
@@ -299,6 +323,7 @@ MUTANTS: tuple[Mutant, ...] = (
         points, no_shard with overlap_param_gather=False. Symptom (0.16/0.17): AttributeError
         'NoneType' object has no attribute 'fetch_bucket'.""",
         replays="no_shard_param_sync: Megatron-LM PR #3754 (fixed in megatron-core 0.18)",
+        probe="test_strategies.py::test_no_shard[False]",
     ),
     Mutant(
         "no_shard_allreduce_skipped",
@@ -312,6 +337,7 @@ MUTANTS: tuple[Mutant, ...] = (
         its own gradient, and the replicas' weights drift apart. Both entry points, no_shard with
         overlap_grad_reduce=True. Symptom: losses differ from DDP; replicas hold different
         weights.""",
+        probe="test_strategies.py::test_no_shard[True]",
     ),
     # --- gradient norm and clipping ------------------------------------------------------------------
     Mutant(
@@ -330,6 +356,7 @@ MUTANTS: tuple[Mutant, ...] = (
         Symptom: grad norm below DDP's and different per rank; clipping with the wrong coefficient.
         (The block above it, summing over a DTensor gradient's group, is dead on this path: the
         distributed optimizer hands plain local shards to the norm.)""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "clip_coeff_off",
@@ -340,6 +367,22 @@ MUTANTS: tuple[Mutant, ...] = (
         """The clipping coefficient is twice what it should be. Every wrapper with clip_grad > 0.
         Symptom: clipped gradients larger than max_norm; clipped updates differ from the
         hand-computed clip.""",
+        probe="test_schedule.py::test_megatrons_gradient_clipping_applies_on_every_platform",
+    ),
+    Mutant(
+        "no_shard_grad_norm_over_dp",
+        "gradient norm and clipping",
+        (MCORE + "optimizer/__init__.py",),
+        "            mp_group\n            if ddp_config.data_parallel_sharding_strategy == 'no_shard'\n",
+        "            intra_dist_opt_group\n"
+        "            if ddp_config.data_parallel_sharding_strategy == 'no_shard'\n",
+        """no_shard's gradient statistics are reduced over the data-parallel ranks again, although its
+        gradients are replicated there after the all-reduce: the grad norm is sqrt(dp) times DDP's
+        (megatron-core's optimizer for Megatron-FSDP, no_shard only). Symptom: no_shard's grad norm
+        leaves DDP's at every iteration (sqrt(2) on 2 ranks); clipping would act on the wrong norm.""",
+        replays="no_shard_grad_norm_over_counted: megatron-core 0.16.1 reduced no_shard's grad norm over "
+        "the data-parallel group (fixed by 0.19.2, which reduces it over the model-parallel group only)",
+        probe="test_strategies.py::test_no_shard",
     ),
     # --- mixed precision -----------------------------------------------------------------------------
     Mutant(
@@ -351,6 +394,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """Main weights are allocated in the compute dtype (bf16 for a bf16 model) instead of
         main_params_dtype (fp32). Both entry points, bf16 models. Symptom: the optimizer steps bf16
         weights; small updates round away.""",
+        probe="test_fully_shard.py::test_fully_shard_bf16_mixed_precision_trains",
     ),
     Mutant(
         "grad_comm_dtype_ignored",
@@ -364,6 +408,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (fully_shard's bf16 policy: fp32 gradients, bf16 communication). Symptom: fp32 collectives:
         more precise, twice the bytes; the losses barely move, only the collective's dtype shows it.
         (The same conditional at the reduce-scatter's own fetch_bucket is dead: the bucket exists.)""",
+        probe="test_fully_shard.py::test_fully_shard_bf16_mixed_precision_trains",
     ),
     # --- checkpoint contents -------------------------------------------------------------------------
     Mutant(
@@ -375,6 +420,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """Loading a Megatron-FSDP checkpoint no longer loads the optimizer state (the distributed
         optimizer returns early). megatron-core entry point. Symptom: Adam moments and step counts
         are the fresh run's; a resumed run departs from the uninterrupted one.""",
+        probe="test_strategies.py::test_hsdp_two_optimizer_instances_train_and_round_trip[no_shard]",
     ),
     Mutant(
         "uneven_chunk_offset_off_by_one_rank",
@@ -385,6 +431,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """Uneven-DTensor chunk metadata: rank r's offset sums the shapes of ranks before r-1, so
         ranks 0 and 1 both claim offset 0. Both entry points' fsdp_dtensor checkpoints. Symptom: the
         saved chunks overlap; the tail of each tensor is lost; a loaded model differs.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     Mutant(
         "swiglu_halves_swapped",
@@ -396,6 +443,7 @@ MUTANTS: tuple[Mutant, ...] = (
         layout (fsdp_dtensor) with a SwiGLU model. Symptom: a save/load with the same handler round
         trips, but the file's _w holds the gate's other half: a checkpoint read by another tool (or
         an older one) is wrong.""",
+        probe="test_checkpoint_contents.py::test_swiglu_halves_on_disk_are_the_gate_and_the_linear_half",
     ),
     Mutant(
         "rng_states_not_restored",
@@ -406,6 +454,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """The CUDA RNG tracker's set_states ignores the states given (a checkpoint's). Every wrapper
         that restores RNG from a checkpoint. Symptom: dropout and other forked-RNG draws after a
         resume differ from the uninterrupted run's.""",
+        probe="test_checkpoint.py::test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly",
     ),
     # --- HSDP outer reduction -----------------------------------------------------------------------
     Mutant(
@@ -419,6 +468,7 @@ MUTANTS: tuple[Mutant, ...] = (
         """HSDP with outer no_shard: the gradient is no longer all-reduced across the replicas
         (DP-outer). Both entry points, HSDP. Symptom: each replica steps on its half of the data;
         replicas drift apart; losses leave DDP's.""",
+        probe="test_strategies.py::test_hsdp_two_optimizer_instances_train_and_round_trip[no_shard]",
     ),
     Mutant(
         "grad_divisor_from_shard_group",
@@ -430,6 +480,7 @@ MUTANTS: tuple[Mutant, ...] = (
         data-parallel group (shard x outer): over-scaled gradients whenever the groups differ, the
         family of Megatron-LM issue #6660. Both entry points, HSDP. Symptom: gradients x outer size
         (2 on 4 ranks); SGD losses leave DDP's.""",
+        probe="test_fully_shard.py::test_fully_shard_hsdp_on_four_ranks_matches_torch_ddp",
     ),
     # --- a collective only some ranks enter ----------------------------------------------------------
     Mutant(
@@ -449,6 +500,7 @@ MUTANTS: tuple[Mutant, ...] = (
         goes on to its next collective. megatron-core entry point, every Megatron-FSDP strategy (the
         group spans the data-parallel ranks). Symptom: mismatched collectives: a hang or a garbled
         reduction; either must end as a bounded failure (the plugin's per-test timeout), not a hang.""",
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim_grads_params-True]",
     ),
     # --- adapter / wrappers: replays -----------------------------------------------------------------
     Mutant(
@@ -462,6 +514,7 @@ MUTANTS: tuple[Mutant, ...] = (
         copying it. Both entry points, 'optim'. Symptom: each rank's shard counts its own gradient
         twice; losses leave DDP's at iteration 2.""",
         replays="optim_overlap_double_count: Megatron-LM PR #3067 (fixed in megatron-core 0.17)",
+        probe="test_fully_shard.py::test_fully_shard_bf16_mixed_precision_trains[optim]",
     ),
     Mutant(
         "tp_without_te_isinstance_none",
@@ -479,6 +532,7 @@ MUTANTS: tuple[Mutant, ...] = (
         isinstance(m, (TELinear,)), which is a TypeError when Transformer Engine is absent (TELinear
         is None). megatron-core entry point, tp > 1 without TE. Symptom: TypeError at wrap time.""",
         replays="tensor_parallel_without_te: Megatron-LM PR #3191 (fixed in megatron-core 0.18)",
+        probe="test_strategies.py::test_tensor_parallel_2",
     ),
     Mutant(
         "fsdp2_finish_grad_sync_signature",
@@ -490,5 +544,6 @@ MUTANTS: tuple[Mutant, ...] = (
         force_all_reduce, which finalize_model_grads passes. megatron-core's FSDP2 wrapper.
         Symptom: TypeError after the first backward.""",
         replays="fsdp2_finish_grad_sync: Megatron-LM PR #4953 (fixed in megatron-core 0.19)",
+        probe="test_strategies.py::test_torch_fsdp2_trains",
     ),
 )

@@ -7,6 +7,10 @@ and after (a difference fails the run). A control run on the unedited copy comes
 Each run is plain pytest with ``-x`` (the first failing test kills the mutant), the plugin's per-test
 timeout (``--mfsdp-timeout``: a hang becomes a bounded failure) and a wall limit per mutant.
 
+A mutant may name a probe: the test expected to fail first, run alone before the suite (most of a
+run's time is the tests before the killing one). A probe only orders the work: when it passes, the whole
+suite runs and judges the mutant (``--no-probes``: always the whole suite).
+
     python -m bench.mutants                      # the whole catalogue, the whole functional suite
     python -m bench.mutants --only grad_sum_not_mean --tests tests/functional/test_strategies.py
     python -m bench.mutants --list               # the catalogue, per category
@@ -31,6 +35,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,6 +66,8 @@ class Outcome:
     replays: str | None = None
     cpu_undetectable: str | None = None
     files: list[str] = field(default_factory=list)
+    #: killed by its probe alone (True), by the whole suite (False), or no probe was run (None)
+    killed_by_probe: bool | None = None
 
 
 def suite_files() -> list[str]:
@@ -234,6 +241,25 @@ def run_suite(
     return "killed", test, message, seconds
 
 
+Verdict = tuple[str, str | None, str | None, float]
+
+
+def judge(
+    mutant: Mutant, tests: list[str], run: Callable[[list[str]], Verdict], use_probe: bool = True
+) -> tuple[str, str | None, str | None, float, bool | None]:
+    """(status, killer, message, seconds, killed by the probe) of one mutant: its probe alone first
+    when it has one; unless the probe killed it, the whole suite decides."""
+    status, test, message, seconds = "survived", None, None, 0.0
+    by_probe: bool | None = None
+    if mutant.probe and use_probe:
+        status, test, message, seconds = run([str((FUNCTIONAL / mutant.probe).relative_to(REPO))])
+        by_probe = status == "killed"
+    if status != "killed":  # no probe, or it passed (or could not run): the suite judges
+        status, test, message, more = run(tests)
+        seconds += more
+    return status, test, message, seconds, by_probe
+
+
 def stack() -> str:
     import platform
     from importlib import metadata
@@ -311,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / ".pytest_cache" / "mutants" / "kill-matrix.json"))
     parser.add_argument("--min-kill-rate", type=float, default=0.95)
     parser.add_argument("--no-control", action="store_true", help="skip the control run (development)")
+    parser.add_argument("--no-probes", action="store_true", help="run the whole suite only (no probes)")
     parser.add_argument("--keep", action="store_true", help="keep each run's output and rank logs")
     parser.add_argument("--list", action="store_true", help="print the catalogue and exit")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -353,14 +380,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"mutants: the control run failed ({test}: {message})", file=sys.stderr)
                 return 2
         for m in mutants:
+            use_probe = not args.no_probes and not args.tests
+
+            def run_paths(paths: list[str], name: str = m.name) -> Verdict:
+                return run_suite(python, shadow, scratch, paths, args, name)
+
             with Applied(shadow, m):
-                status, test, message, seconds = run_suite(python, shadow, scratch, tests, args, m.name)
+                status, test, message, seconds, by_probe = judge(m, tests, run_paths, use_probe)
             outcome = Outcome(
                 m.name, m.category, status, test, message, round(seconds, 1), m.replays,
-                m.cpu_undetectable, list(m.files),
+                m.cpu_undetectable, list(m.files), by_probe,
             )  # fmt: skip
             outcomes.append(outcome)
-            print(f"  {m.name}: {status} in {seconds:.1f} s{' by ' + test if test else ''}", flush=True)
+            how = " (its probe)" if by_probe else " (the suite)" if by_probe is False and test else ""
+            print(f"  {m.name}: {status} in {seconds:.1f} s{' by ' + test + how if test else ''}", flush=True)
             write_report(args, tests, control, outcomes, started, complete=False)
     after = hash_installed(root)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))

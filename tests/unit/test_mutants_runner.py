@@ -94,3 +94,38 @@ def test_a_rank_set_failure_is_reported_with_the_tracebacks_error_line(tmp_path)
         "</testcase></testsuite></testsuites>"
     )
     assert run.first_failure(junit)[1] == "failed on ranks 0, 1 (same error): ValueError: boom"
+
+
+def test_every_probe_names_a_test_of_the_functional_suite():
+    for m in catalogue.MUTANTS:
+        if m.probe is None:
+            continue
+        path, _, name = m.probe.partition("::")
+        source = (run.FUNCTIONAL / path).read_text()
+        assert f"def {name.split('[')[0]}(" in source, f"{m.name}: probe {m.probe} names no test"
+
+
+def test_a_probe_that_kills_decides_and_one_that_passes_leaves_the_verdict_to_the_suite():
+    probed = catalogue.Mutant("m", "c", ("f.py",), "a", "b", "d", probe="test_x.py::test_y")
+    calls: list[list[str]] = []
+
+    def runs(*verdicts: run.Verdict):
+        queue = list(verdicts)
+
+        def fake(paths: list[str]) -> run.Verdict:
+            calls.append(paths)
+            return queue.pop(0)
+
+        return fake
+
+    killed = ("killed", "test_x.py::test_y", "boom", 3.0)
+    assert run.judge(probed, ["suite"], runs(killed)) == ("killed", "test_x.py::test_y", "boom", 3.0, True)
+    assert calls == [[str(Path("tests/functional/test_x.py::test_y"))]]
+    calls.clear()
+    suite_kill = ("killed", "test_z.py::test_w", "later", 10.0)
+    verdict = run.judge(probed, ["suite"], runs(("survived", None, None, 3.0), suite_kill))
+    assert verdict == ("killed", "test_z.py::test_w", "later", 13.0, False)
+    assert calls[1] == ["suite"]
+    calls.clear()
+    verdict = run.judge(probed, ["suite"], runs(("survived", None, None, 5.0)), use_probe=False)
+    assert verdict == ("survived", None, None, 5.0, None) and calls == [["suite"]]
