@@ -31,7 +31,8 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(
         (logs / "torchrun" / f"rank{rank}.expired").write_text(
             "test_stuck.py::test_rank1_skips_the_broadcast"
         )
-        (logs / "torchrun" / f"rank{rank}.fr").write_bytes(b"stale")
+        (logs / "torchrun" / f"flight_recorder_rank_{rank}").write_bytes(b"stale")
+        (logs / "torchrun" / f"rank{rank}.fr").write_bytes(b"stale")  # the dumps' earlier name
     started = time.monotonic()
     result = pytester.run(
         *torchrun_pytest(),
