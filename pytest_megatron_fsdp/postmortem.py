@@ -302,7 +302,7 @@ def text_plot(values: Sequence[float], width: int = PLOT_WIDTH, height: int = PL
     lines = []
     for i, row in enumerate(grid):
         label = labels[0] if i == 0 else labels[1] if i == height - 1 else ""
-        lines.append(f"{label.rjust(pad)} |{''.join(row)}")
+        lines.append(f"{label.rjust(pad)} |{''.join(row)}".rstrip())
     axis = f"{' ' * pad} +{'-' * columns}"
     last = str(len(values))
     lines += [axis, f"{' ' * pad}  1{last.rjust(columns - 1)}  (iteration)"]
