@@ -131,16 +131,16 @@ def test_collectives_reads_the_dumps_earlier_versions_named_rank_r_fr(tmp_path):
 
 def test_collectives_finds_the_newest_run_with_dumps_under_the_default_log_dir(tmp_path, monkeypatch):
     logs = tmp_path / "project" / ".pytest_cache" / "d" / "mfsdp-logs"
-    write_hang(logs / "batch1-world2", dumped_s=36)
-    write_hang(logs / "batch2-world2", dumped_s=46)
-    for path in (logs / "batch1-world2").iterdir():
-        os.utime(path, (100, 100))  # older than batch2's files
+    write_hang(logs / "batch1-world2", dumped_s=46)
+    write_hang(logs / "batch2-world2", dumped_s=36)
+    for path in (logs / "batch2-world2").iterdir():
+        os.utime(path, (100, 100))  # older than batch1's files (a name says nothing about age)
     (logs / "batch3-world2").mkdir()  # newest of all, but no dump in it
     (logs / "batch3-world2" / "rank0.log").write_text("[10:00:00] START t.py::test_ok (timeout 6 s)\n")
     monkeypatch.chdir((tmp_path / "project" / "tests").mkdir() or tmp_path / "project" / "tests")
     code, out = cli("collectives")
     assert code == 0, out
-    assert out.splitlines()[0].startswith(f"flight-recorder dumps in {logs / 'batch2-world2'}:"), out
+    assert out.splitlines()[0].startswith(f"flight-recorder dumps in {logs / 'batch1-world2'}:"), out
 
 
 def test_the_log_dir_from_the_environment_wins(tmp_path, monkeypatch):
@@ -314,7 +314,9 @@ def test_show_prints_the_last_failed_tests_part_of_every_rank_log(tmp_path):
     for rank in range(2):
         failed = f"FAILED t.py::test_bad (call) on rank {rank}:\nAssertionError: rank {rank} says no\n"
         (run_dir / f"rank{rank}.log").write_text(
-            f"[10:00:00] START t.py::test_ok (timeout 6 s)\n"
+            "[09:59:59] START t.py::test_early (timeout 6 s)\n"
+            + ("FAILED t.py::test_early (setup) on rank 0:\nValueError: early\n" if rank == 0 else "")
+            + f"[10:00:00] START t.py::test_ok (timeout 6 s)\n"
             f"[10:00:01] START t.py::test_bad (timeout 6 s)\n{failed}"
             f"[10:00:02] START t.py::test_after (timeout 6 s)\n"
         )
@@ -324,7 +326,8 @@ def test_show_prints_the_last_failed_tests_part_of_every_rank_log(tmp_path):
     lines = out.splitlines()
     assert lines[0] == f"t.py::test_bad in {run_dir}"
     assert "AssertionError: rank 1 says no" in lines and "AssertionError: rank 0 says no" in lines
-    assert not any("test_after" in line or "test_ok" in line for line in lines[1:])
+    # the last of the failed tests (test_early failed too), and only its part of the logs
+    assert not any(name in line for line in lines[1:] for name in ("test_after", "test_ok", "test_early"))
     assert lines[-1] == f"torchrun's output: {run_dir / 'torchrun.log'}"
     code, out = cli("show", "test_ok", "--log-dir", str(run_dir))
     assert code == 0 and out.splitlines()[0] == f"t.py::test_ok in {run_dir} (no failure recorded)"
