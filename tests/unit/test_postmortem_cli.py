@@ -10,7 +10,6 @@ import os
 import pickle
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -343,21 +342,8 @@ def test_show_of_a_timed_out_test_includes_the_collectives(tmp_path):
 
 # -- no torch -------------------------------------------------------------------------------------
 
-#: a child interpreter where importing torch (and the rest of the training stack, and pytest) fails
-NO_HEAVY_IMPORTS = textwrap.dedent(
-    """
-    import runpy, sys
-    BLOCKED = ("torch", "megatron", "numpy", "pytest", "_pytest", "matplotlib")
-    class Blocker:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BLOCKED:
-                raise ImportError(f"{name} is blocked in this test")
-            return None
-    sys.meta_path.insert(0, Blocker())
-    sys.argv = ["pytest_megatron_fsdp", *sys.argv[1:]]
-    runpy.run_module("pytest_megatron_fsdp", run_name="__main__", alter_sys=True)
-    """
-)
+#: runs the CLI in an interpreter where importing torch (and pytest, numpy, ...) fails
+WITHOUT_TORCH = Path(__file__).with_name("postmortem_without_torch.py")
 
 
 def test_the_cli_runs_where_torch_cannot_be_imported(tmp_path):
@@ -365,14 +351,7 @@ def test_the_cli_runs_where_torch_cannot_be_imported(tmp_path):
     write_json(tmp_path / "r.json", report_document([_record("t.py::test_a", [3.0, 2.0])], "plain"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     blocked = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            NO_HEAVY_IMPORTS.replace("runpy.run_module", "import torch; runpy.run_module"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+        [sys.executable, str(WITHOUT_TORCH), "--check-blocker"], capture_output=True, text=True, env=env
     )
     assert "torch is blocked in this test" in blocked.stderr  # the blocker works
     for argv in (
@@ -381,11 +360,7 @@ def test_the_cli_runs_where_torch_cannot_be_imported(tmp_path):
         ["show", "--log-dir", str(tmp_path)],
     ):
         done = subprocess.run(
-            [sys.executable, "-c", NO_HEAVY_IMPORTS, *argv],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
+            [sys.executable, str(WITHOUT_TORCH), *argv], capture_output=True, text=True, env=env, timeout=60
         )
         assert done.returncode == 0, done.stderr
         assert done.stdout
