@@ -73,7 +73,9 @@ def test_a_hangs_dumps_are_read_by_the_cli_and_by_torchfrtrace(pytester, isolate
         [*_torchfrtrace(), *command[1:]], capture_output=True, text=True, timeout=120, cwd=pytester.path
     )
     assert trace.returncode == 0, trace.stdout + trace.stderr
-    assert "TORCHFRTRACE-CHECK" in trace.stdout + trace.stderr, trace.stdout + trace.stderr
+    said = trace.stdout + trace.stderr
+    assert "Not all ranks joining collective, sequence number: 2" in said, said
+    assert "collective: gloo:broadcast" in said and "missing ranks: {1}" in said, said
 
     stacks = subprocess.run(
         [sys.executable, str(WITHOUT_TORCH), "stacks", str(logs)], capture_output=True, text=True, timeout=60
