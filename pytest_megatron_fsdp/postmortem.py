@@ -48,6 +48,8 @@ DEFAULT_LAST = 5
 PLOT_WIDTH, PLOT_HEIGHT = 60, 12
 
 _RANK_LOG = re.compile(r"rank(\d+)\.log")
+#: faulthandler's first line for a fatal signal and for its C watchdog (``dump_traceback_later``)
+_WHY = ("Fatal Python error", "Timeout (")
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
 _START = re.compile(r"\] START (\S+) \(timeout ")
 _FAILED = re.compile(r"^FAILED (\S+) \((setup|call|teardown)\) on rank (\d+):$")
@@ -190,7 +192,8 @@ def _timed_out_tests(run_dir: Path) -> list[str]:
 
 def stack_dumps(log: str) -> list[list[str]]:
     """Every stack dump in a rank's log, each as its lines: the line that says why (the timeout
-    banner, ``Fatal Python error: ...``) where one comes just before, then each thread's stack."""
+    banner, ``Fatal Python error: ...``, ``Timeout (0:00:16)!``) where one comes just before, then
+    each thread's stack."""
     lines = log.splitlines()
     dumps: list[list[str]] = []
     i = 0
@@ -208,7 +211,7 @@ def stack_dumps(log: str) -> list[list[str]]:
             i += 1
         why = []
         for back in range(start - 1, max(start - 4, -1), -1):
-            if TIMEOUT_BANNER in lines[back] or lines[back].startswith("Fatal Python error"):
+            if TIMEOUT_BANNER in lines[back] or lines[back].startswith(_WHY):
                 why = [lines[back]]
                 break
         dumps.append(why + lines[start:i])

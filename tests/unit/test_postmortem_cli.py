@@ -10,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,19 @@ def test_stacks_shows_each_ranks_dump_with_why(tmp_path):
     assert f"rank 1: no stack dump in {run_dir / 'rank1.log'}" in lines
     code, out = cli("stacks", str(run_dir), "--rank", "1")
     assert out.splitlines()[1:] == [f"rank 1: no stack dump in {run_dir / 'rank1.log'}"]
+
+
+def test_stacks_of_faulthandlers_own_watchdog_say_why(tmp_path):
+    """The ranks' backup watchdog in C (``faulthandler.dump_traceback_later``) starts its dump with
+    ``Timeout (h:mm:ss)!``; made here for real, not written by hand."""
+    with open(tmp_path / "rank0.log", "w") as log:
+        faulthandler.dump_traceback_later(0.01, file=log)
+        time.sleep(0.3)
+        faulthandler.cancel_dump_traceback_later()
+    code, out = cli("stacks", str(tmp_path))
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[2].startswith("  Timeout (0:00:00") and lines[3].startswith("  Thread 0x"), out
 
 
 def test_the_timeout_banner_is_the_harness_one():
