@@ -93,8 +93,14 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def _newest_file_time(path: Path) -> float:
-    times = [p.stat().st_mtime for p in path.iterdir() if p.is_file()]
-    return max(times, default=path.stat().st_mtime)
+    """When anything in a rank set's log directory was last written (0 for one that went away)."""
+    times = []
+    for p in path.iterdir():
+        try:
+            times.append(p.stat().st_mtime)
+        except OSError:
+            continue  # removed meanwhile (a session replacing its logs)
+    return max(times, default=0.0)
 
 
 def run_dirs(path: Path) -> list[Path]:
