@@ -80,7 +80,7 @@ def dump(path: Path) -> bool:
         return False
     # named apart from the dumps (no prefix, no trailing digits): torchfrtrace reads every file whose
     # name holds the prefix, and a reader never sees half a dump
-    tmp = path.with_name(f".partial-{os.getpid()}.tmp")
+    tmp = path.with_name(f".partial-{path.name.replace(DUMP_PREFIX, '')}-{os.getpid()}.tmp")
     tmp.write_bytes(raw)
     os.replace(tmp, path)
     return True
