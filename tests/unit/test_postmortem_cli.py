@@ -198,6 +198,22 @@ def test_dump_names_are_what_torchfrtrace_parses(tmp_path):
     assert not any(flight_recorder.DUMP_PREFIX in name for name in others)
 
 
+def test_a_gloo_records_nameless_group_config_is_completed_for_torchfrtrace():
+    """A gloo rank's record as torch 2.13.0/2.14.1 write it: the group's config under the name "",
+    its entries naming group "0". The dump completes the config from torch.distributed's registry
+    (the shape of ``_registered_groups``) and keeps what torch named itself."""
+    trace = fr_dump([fr_entry(0, 1, "all_reduce", [[4]], "completed", 10)])
+    trace["pg_config"] = {"": {"name": "", "desc": "", "ranks": "[0, 1]"}}
+    groups = {
+        "0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"},
+        "1": {"name": "1", "desc": "undefined", "ranks": "[1]"},
+    }
+    assert flight_recorder.complete_pg_config(trace, groups)["pg_config"] == groups
+    named = {**trace, "pg_config": {"0": {"name": "0", "desc": "torch's own", "ranks": "[0, 1]"}}}
+    assert flight_recorder.complete_pg_config(named, groups)["pg_config"]["0"]["desc"] == "torch's own"
+    assert flight_recorder.complete_pg_config(trace, {}) == trace  # nothing known: left as torch wrote it
+
+
 # -- stacks ---------------------------------------------------------------------------------------
 
 
