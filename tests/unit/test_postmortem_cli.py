@@ -26,38 +26,46 @@ NODEID = "test_stuck.py::test_rank1_skips_the_broadcast"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def fr_entry(record_id, seq, op, sizes, state, created_s, group=("0", "default_pg")):
-    """One entry of torch's flight-recorder dump, with the keys a gloo rank's dump has (torch 2.14)."""
-    completed = state == "completed"
+def fr_entry(record_id, seq, op, sizes, retired, created_s, group=("0", "default_pg")):
+    """One entry of a gloo rank's flight-recorder dump, key for key as torch 2.14.1 writes it without
+    stack traces (gloo leaves every entry "scheduled"; ``retired`` says it completed)."""
     return {
-        "record_id": record_id,
+        "collective_seq_id": seq,
+        "input_dtypes": ["Float"],
+        "input_sizes": sizes,
+        "is_p2p": False,
+        "op_id": seq,
+        "output_dtypes": ["Float"],
+        "output_sizes": sizes,
+        "p2p_seq_id": 0,
         "pg_id": 0,
         "process_group": group,
-        "collective_seq_id": seq,
-        "p2p_seq_id": 0,
-        "op_id": seq,
         "profiling_name": f"gloo:{op}",
+        "record_id": record_id,
+        "retired": retired,
+        "state": "scheduled",
+        "thread_id": "140172998839168",
+        "thread_name": "python",
         "time_created_ns": created_s * SECOND,
-        "input_sizes": sizes,
-        "input_dtypes": ["Float"],
-        "output_sizes": sizes,
-        "output_dtypes": ["Float"],
-        "state": state,
-        "time_discovered_started_ns": created_s * SECOND,
-        "time_discovered_completed_ns": created_s * SECOND if completed else None,
-        "retired": completed,
+        "time_discovered_completed_ns": None,
+        "time_discovered_started_ns": None,
         "timeout_ms": 120000,
-        "is_p2p": False,
-        "frames": [],
     }
 
 
 def fr_dump(entries, world_size=2):
-    """torch's dump dict around ``entries``: version, the process groups' config, the entries."""
+    """A rank's whole dump around ``entries``, as the harness writes it (pg_config completed)."""
     return {
         "version": "2.10",
         "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world_size)))}},
-        "pg_status": {"0": {"last_enqueued_collective": 2, "last_started_collective": 2}},
+        "comm_lib_version": "",
+        "pg_status": {
+            "0": {
+                "last_completed_collective": 1,
+                "last_enqueued_collective": 2,
+                "last_started_collective": -1,
+            }
+        },
         "entries": entries,
     }
 
@@ -69,11 +77,11 @@ def write_hang(run_dir: Path, dumped_s: int = 36, legacy: bool = False) -> None:
     traces = {
         0: fr_dump(
             [
-                fr_entry(0, 1, "all_reduce", [[4]], "completed", 10),
-                fr_entry(1, 2, "broadcast", [[3]], "started", 11),
+                fr_entry(0, 1, "all_reduce", [[4]], True, 10),
+                fr_entry(1, 2, "broadcast", [[3]], False, 11),
             ]
         ),
-        1: fr_dump([fr_entry(0, 1, "all_reduce", [[4]], "completed", 10)]),
+        1: fr_dump([fr_entry(0, 1, "all_reduce", [[4]], True, 10)]),
     }
     for rank, trace in traces.items():
         path = run_dir / f"rank{rank}.fr" if legacy else flight_recorder.dump_path(run_dir, rank)
@@ -101,7 +109,8 @@ def test_collectives_lists_each_rank_and_names_the_first_mismatch(tmp_path):
     assert "rank 0: last 2 of 2 collectives recorded" in lines
     assert "  #1 (all_reduce, default_pg, sizes [[4]]) completed" in lines
     assert (
-        "  #2 (broadcast, default_pg, sizes [[3]]) started, not completed 25.0 s after it was issued" in lines
+        "  #2 (broadcast, default_pg, sizes [[3]]) scheduled, not completed 25.0 s after it was issued"
+        in lines
     )
     assert "rank 1: last 1 of 1 collectives recorded" in lines
     assert (
@@ -115,7 +124,7 @@ def test_collectives_with_no_mismatch_says_so(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     for rank in range(2):
-        trace = fr_dump([fr_entry(0, 1, "all_reduce", [[4]], "completed", 10)])
+        trace = fr_dump([fr_entry(0, 1, "all_reduce", [[4]], True, 10)])
         flight_recorder.dump_path(run_dir, rank).write_bytes(pickle.dumps(trace))
     code, out = cli("collectives", str(run_dir), "--last", "1")
     assert code == 0
@@ -202,7 +211,7 @@ def test_a_gloo_records_nameless_group_config_is_completed_for_torchfrtrace():
     """A gloo rank's record as torch 2.13.0/2.14.1 write it: the group's config under the name "",
     its entries naming group "0". The dump completes the config from torch.distributed's registry
     (the shape of ``_registered_groups``) and keeps what torch named itself."""
-    trace = fr_dump([fr_entry(0, 1, "all_reduce", [[4]], "completed", 10)])
+    trace = fr_dump([fr_entry(0, 1, "all_reduce", [[4]], True, 10)])
     trace["pg_config"] = {"": {"name": "", "desc": "", "ranks": "[0, 1]"}}
     groups = {
         "0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"},
