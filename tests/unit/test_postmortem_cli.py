@@ -138,6 +138,16 @@ def test_collectives_reads_the_dumps_earlier_versions_named_rank_r_fr(tmp_path):
     assert "rank 1 never entered collective #2 (broadcast, default_pg)" in out
 
 
+def test_a_dump_under_the_current_name_wins_over_one_under_the_earlier_name(tmp_path):
+    write_hang(tmp_path)
+    # an older dump of rank 1 in which it did enter the broadcast: not this run's
+    both = [fr_entry(0, 1, "all_reduce", [[4]], True, 10), fr_entry(1, 2, "broadcast", [[3]], False, 11)]
+    (tmp_path / "rank1.fr").write_bytes(pickle.dumps(fr_dump(both)))
+    code, out = cli("collectives", str(tmp_path))
+    assert code == 0, out
+    assert "rank 1: last 1 of 1 collectives recorded" in out.splitlines()
+
+
 def test_collectives_finds_the_newest_run_with_dumps_under_the_default_log_dir(tmp_path, monkeypatch):
     logs = tmp_path / "project" / ".pytest_cache" / "d" / "mfsdp-logs"
     write_hang(logs / "batch1-world2", dumped_s=46)
