@@ -391,14 +391,7 @@ def show_lines(run_dir: Path, test: str | None) -> list[str]:
             raise PostMortemError(f"no failed test in the rank logs of {run_dir}")
         nodeid = failed[-1]
     else:
-        matches = [n for n in failed if test in n] or sorted(
-            {
-                n
-                for p in rank_logs(run_dir).values()
-                for n in parts_by_test(p.read_text(errors="replace"))
-                if test in n
-            }
-        )
+        matches = [n for n in failed if test in n] or _tests_matching(run_dir, test)
         if not matches:
             raise PostMortemError(f"no test matching {test!r} in the rank logs of {run_dir}")
         if len(matches) > 1 and test not in matches:

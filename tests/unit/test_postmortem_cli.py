@@ -356,7 +356,7 @@ def test_report_needs_a_path_and_a_report(tmp_path, monkeypatch, capsys):
 # -- show -----------------------------------------------------------------------------------------
 
 
-def test_show_prints_the_last_failed_tests_part_of_every_rank_log(tmp_path):
+def test_show_prints_the_last_failed_tests_part_of_every_rank_log(tmp_path, capsys):
     run_dir = tmp_path / "batch1-world2"
     run_dir.mkdir()
     for rank in range(2):
@@ -379,6 +379,12 @@ def test_show_prints_the_last_failed_tests_part_of_every_rank_log(tmp_path):
     assert lines[-1] == f"torchrun's output: {run_dir / 'torchrun.log'}"
     code, out = cli("show", "test_ok", "--log-dir", str(run_dir))
     assert code == 0 and out.splitlines()[0] == f"t.py::test_ok in {run_dir} (no failure recorded)"
+    code, out = cli("show", "t.py::test_", "--log-dir", str(run_dir))
+    assert code == 1 and out == ""
+    assert capsys.readouterr().err == (
+        "python -m pytest_megatron_fsdp show: 't.py::test_' matches 2 tests: "
+        "t.py::test_early, t.py::test_bad\n"
+    )
 
 
 def test_show_of_a_timed_out_test_includes_the_collectives(tmp_path):
