@@ -8,6 +8,12 @@ completed last, which one it is in, and who never entered a collective that othe
 ``rank 1 never entered collective #4 (broadcast, default_pg) that rank 0 has waited in for 25.1 s``.
 Collectives that differ across ranks at the same sequence number (op or sizes) are named the same way.
 
+Each rank's dump lies beside its log as ``flight_recorder_rank_<R>`` (:func:`dump_path`): one
+common prefix, the rank number last and no suffix, which is what torch's own analyser needs
+(``torchfrtrace <dir> -p flight_recorder_rank_``); ``python -m pytest_megatron_fsdp collectives
+<dir>`` prints this module's summary again. Dumps named ``rank<R>.fr`` (earlier versions of this
+plugin) are still read.
+
 Plain Python over the decoded records (unit-tested with made-up ones); torch only to dump.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 import ast
 import os
 import pickle
+import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,38 @@ from typing import Any
 
 #: entries each rank keeps (a ring buffer): enough for the last steps of a small training run
 BUFFER_ENTRIES = 2000
+#: a dump's file name is this prefix and the rank: torchfrtrace strips the prefix to get the rank
+DUMP_PREFIX = "flight_recorder_rank_"
+#: the suffix of the dumps' earlier names, ``rank<R>.fr`` (still read)
+LEGACY_SUFFIX = ".fr"
+_DUMP_NAME = re.compile(rf"{DUMP_PREFIX}(\d+)")
+_LEGACY_NAME = re.compile(rf"rank(\d+){re.escape(LEGACY_SUFFIX)}")
+
+
+def dump_path(log_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` dumps its record: ``<log_dir>/flight_recorder_rank_<rank>``."""
+    return log_dir / f"{DUMP_PREFIX}{rank}"
+
+
+def dump_paths(log_dir: Path) -> dict[int, Path]:
+    """rank -> its dump in ``log_dir`` (a ``rank<R>.fr`` dump only where no newer name exists)."""
+    found: dict[int, Path] = {}
+    try:
+        names = sorted(p.name for p in log_dir.iterdir())
+    except OSError:
+        return found
+    for pattern in (_LEGACY_NAME, _DUMP_NAME):  # the current name wins
+        for name in names:
+            match = pattern.fullmatch(name)
+            if match:
+                found[int(match.group(1))] = log_dir / name
+    return dict(sorted(found.items()))
+
+
+def remove_dumps(log_dir: Path, rank: int) -> None:
+    """An earlier session's dumps of ``rank`` in ``log_dir`` (both names), so none is taken for this one's."""
+    dump_path(log_dir, rank).unlink(missing_ok=True)
+    (log_dir / f"rank{rank}{LEGACY_SUFFIX}").unlink(missing_ok=True)
 
 
 def enable(environ: MutableMapping[str, str]) -> None:
@@ -32,17 +71,64 @@ def enable(environ: MutableMapping[str, str]) -> None:
 
 
 def dump(path: Path) -> bool:
-    """This rank's record, pickled as torch writes it, into ``path``; False if torch has none."""
+    """This rank's record, pickled as torch writes it (its process groups' config completed, see
+    :func:`complete_pg_config`), into ``path``; False if torch has none.
+
+    Without the entries' Python stack traces: symbolising them makes torch import ``torch._dynamo``
+    on the first dump, which took 10-17 s per rank with two CPU ranks on two busy cores (0.2 ms
+    without; 2026-12-01, torch 2.14.1), longer than the peers wait for this rank's dump. Every
+    thread's stack is in the rank's log anyway (faulthandler).
+    """
     try:
         from torch._C import _distributed_c10d as c10d
 
-        raw = c10d._dump_fr_trace(True, True, False)
+        raw = c10d._dump_fr_trace(True, False, False)
     except Exception:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
         return False
-    tmp = path.with_name(path.name + ".tmp")
+    try:
+        raw = pickle.dumps(complete_pg_config(pickle.loads(raw), _registered_groups()))
+    except Exception:  # noqa: BLE001 - a record of another shape: written as torch made it
+        pass
+    # named apart from the dumps (no prefix, no trailing digits): torchfrtrace reads every file whose
+    # name holds the prefix, and a reader never sees half a dump
+    tmp = path.with_name(f".partial-{path.name.replace(DUMP_PREFIX, '')}-{os.getpid()}.tmp")
     tmp.write_bytes(raw)
     os.replace(tmp, path)
     return True
+
+
+def _registered_groups() -> dict[str, dict[str, str]]:
+    """name -> ``{"name", "desc", "ranks"}`` (the record's pg_config shape) of every process group
+    of this rank, from torch.distributed's own registry."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        world = distributed_c10d._world
+        groups = {}
+        for group, name in world.pg_names.items():
+            ranks = sorted(world.pg_group_ranks.get(group, {}))
+            desc = str(getattr(group, "group_desc", "") or name)
+            groups[str(name)] = {"name": str(name), "desc": desc, "ranks": str(ranks)}
+        return groups
+    except Exception:  # noqa: BLE001 - torch's private registry changed: the record stays as it is
+        return {}
+
+
+def complete_pg_config(trace: dict[str, Any], groups: Mapping[str, Mapping[str, str]]) -> dict[str, Any]:
+    """``trace`` with a pg_config entry for every group in ``groups`` that it lacks.
+
+    A gloo group records its config before torch names it, so a gloo rank's record keeps every
+    group under the name ``""`` (torch 2.13.0 and 2.14.1: ``{"": {"name": "", "desc": "", "ranks":
+    "[0, 1]"}}``, the last group created winning), while its entries name the group (``("0",
+    "default_pg")``); torchfrtrace then fails on the first entry (``KeyError: ('0', 0)``). Entries
+    torch named stay as they are; the nameless one goes once ``groups`` names any.
+    """
+    config = {name: info for name, info in (trace.get("pg_config") or {}).items() if name}
+    for name, info in groups.items():
+        config.setdefault(name, dict(info))
+    if not config:
+        return trace
+    return {**trace, "pg_config": config}
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -61,12 +147,15 @@ class Collective:
     sizes: str
     completed: bool
     created_ns: int
+    #: torch's state of the entry: "scheduled", "started" or "completed"
+    state: str = ""
 
     def describe(self) -> str:
         return f"#{self.seq} ({self.op}, {self.group}, sizes {self.sizes})"
 
 
-def _collectives(rank: int, trace: Mapping[str, Any]) -> list[Collective]:
+def collectives(rank: int, trace: Mapping[str, Any]) -> list[Collective]:
+    """The collectives (no point-to-point operations) in one rank's decoded dump, in its order."""
     found = []
     for entry in trace.get("entries", []):
         if entry.get("is_p2p"):
@@ -83,6 +172,7 @@ def _collectives(rank: int, trace: Mapping[str, Any]) -> list[Collective]:
                 sizes=str(entry.get("input_sizes")),
                 completed=completed,
                 created_ns=int(entry.get("time_created_ns") or 0),
+                state=str(entry.get("state", "")),
             )
         )
     return found
@@ -107,7 +197,7 @@ def align(traces: Mapping[int, Mapping[str, Any]], now_ns: int) -> list[str]:
     """A short "collectives" section from every rank's record (rank -> decoded dump)."""
     if not traces:
         return []
-    per_rank = {rank: _collectives(rank, trace) for rank, trace in traces.items()}
+    per_rank = {rank: collectives(rank, trace) for rank, trace in traces.items()}
     lines: list[str] = []
     for rank in sorted(per_rank):
         done = [c for c in per_rank[rank] if c.completed]
@@ -120,8 +210,8 @@ def align(traces: Mapping[int, Mapping[str, Any]], now_ns: int) -> list[str]:
         else:
             lines.append(f"rank {rank}: last completed {last}; in no collective")
     by_group: dict[str, dict[int, dict[int, Collective]]] = {}
-    for rank, collectives in per_rank.items():
-        for c in collectives:
+    for rank, recorded in per_rank.items():
+        for c in recorded:
             by_group.setdefault(c.group, {}).setdefault(c.seq, {})[rank] = c
     for group in sorted(by_group):
         sequences = by_group[group]
@@ -150,16 +240,27 @@ def align(traces: Mapping[int, Mapping[str, Any]], now_ns: int) -> list[str]:
 
 
 def section(log_dir: Path, world_size: int, now_ns: int) -> list[str]:
-    """The "collectives" section of a timeout report, from the ``rank<R>.fr`` dumps in ``log_dir``
-    (a rank with no dump there is left out); [] when there is none."""
+    """The "collectives" section of a timeout report, from the dumps in ``log_dir`` (a rank with no
+    dump there is left out), with the commands that read them again; [] when there is none."""
+    paths = dump_paths(log_dir)
     traces = {}
     for rank in range(world_size):
-        trace = load(log_dir / f"rank{rank}.fr")
+        trace = load(paths[rank]) if rank in paths else None
         if trace is not None:
             traces[rank] = trace
     aligned = align(traces, now_ns)
     if not aligned:
         return []
-    return ["collectives (c10d flight recorder; raw records: rank<R>.fr beside the logs):"] + [
-        f"  {line}" for line in aligned
+    lines = [f"collectives (c10d flight recorder; raw records: {DUMP_PREFIX}<R> beside the logs):"]
+    lines += [f"  {line}" for line in aligned]
+    return lines + [f"  {line}" for line in commands(log_dir, sorted(traces), world_size)]
+
+
+def commands(log_dir: Path, ranks: list[int], world_size: int) -> list[str]:
+    """How to read ``log_dir``'s dumps again: this package's summary and torch's own analyser (which
+    refuses a partial set of dumps unless told to allow it)."""
+    partial = " --allow-incomplete-ranks" if set(ranks) != set(range(world_size)) else ""
+    return [
+        f"summary again: python -m pytest_megatron_fsdp collectives {log_dir}",
+        f"torch's analyser: torchfrtrace {log_dir} -p {DUMP_PREFIX}{partial}",
     ]

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import flight_recorder
 from .protocol import (
     BATCH_FILE_FLAG,
     REPORT_FILE_FLAG,
@@ -64,7 +65,7 @@ class RankSet:
         self.log_dir = log_dir
         self.work_dir = Path(tempfile.mkdtemp(prefix="mfsdp-batch-"))
         log_dir.mkdir(parents=True, exist_ok=True)
-        for stale in log_dir.glob("rank*.*"):
+        for stale in [*log_dir.glob("rank*.*"), *log_dir.glob(f"{flight_recorder.DUMP_PREFIX}*")]:
             stale.unlink()
         self.events_path = self.work_dir / "events.jsonl"
         self.events_path.touch()

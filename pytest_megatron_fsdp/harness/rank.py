@@ -100,8 +100,9 @@ class RankPlugin:
         # An earlier session's timeout markers and flight records (torchrun mode reuses its log dir;
         # a launched rank set's is emptied by the parent): a marker naming the same test would end
         # the wait for this session's peers early, an old record would be aligned as theirs.
-        for suffix in (".expired", ".fr", ".aligned"):
+        for suffix in (".expired", ".aligned"):
             self.log_path.with_suffix(suffix).unlink(missing_ok=True)
+        flight_recorder.remove_dumps(log_dir, self.rank)
         # `kill -USR1 <pid>` (the plain-mode parent's backup watchdog does) dumps every thread's stack.
         faulthandler.register(signal.SIGUSR1, file=self.log, all_threads=True)
         # A fatal signal (SIGSEGV, SIGABRT, ...) dumps them into this rank's log too, which failure
@@ -321,7 +322,7 @@ class RankPlugin:
                 return
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
             # exits): torch's record of this rank's collectives, beside its log, for the parent to align.
-            flight_recorder.dump(self.log_path.with_suffix(".fr"))
+            flight_recorder.dump(flight_recorder.dump_path(self.log_path.parent, self.rank))
             if not self.launched:
                 # torchrun mode: the terminal is the only place the user sees (a launched rank
                 # set's parent reports from the logs, and its torchrun output is only a tail)

@@ -87,7 +87,7 @@ def test_torch_records_are_aligned(tmp_path):
         if rank == 0:
             work = dist.broadcast(torch.ones(3), src=0, async_op=True)
         time.sleep(0.5)  # rank 1 never joins the broadcast
-        assert flight_recorder.dump(Path(sys.argv[2]) / f"rank{{rank}}.fr")
+        assert flight_recorder.dump(flight_recorder.dump_path(Path(sys.argv[2]), rank))
         time.sleep(0.5)
         os._exit(0)
         """
@@ -97,7 +97,8 @@ def test_torch_records_are_aligned(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(tmp_path)], env=env) for r in range(2)]
     for p in procs:
         assert p.wait(timeout=60) == 0
-    traces = {r: flight_recorder.load(tmp_path / f"rank{r}.fr") for r in range(2)}
+    assert sorted(flight_recorder.dump_paths(tmp_path)) == [0, 1]
+    traces = {r: flight_recorder.load(flight_recorder.dump_path(tmp_path, r)) for r in range(2)}
     lines = flight_recorder.align(
         traces, now_ns=max(e["time_created_ns"] for e in traces[0]["entries"]) + 3 * SECOND
     )

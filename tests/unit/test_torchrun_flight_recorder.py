@@ -31,7 +31,8 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(
         (logs / "torchrun" / f"rank{rank}.expired").write_text(
             "test_stuck.py::test_rank1_skips_the_broadcast"
         )
-        (logs / "torchrun" / f"rank{rank}.fr").write_bytes(b"stale")
+        (logs / "torchrun" / f"flight_recorder_rank_{rank}").write_bytes(b"stale")
+        (logs / "torchrun" / f"rank{rank}.fr").write_bytes(b"stale")  # the dumps' earlier name
     started = time.monotonic()
     result = pytester.run(
         *torchrun_pytest(),
@@ -46,6 +47,9 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(
     assert text.count("collectives (c10d flight recorder") == 1, text  # rank 0's, once
     assert "rank 0: last completed #1 (all_reduce, default_pg, sizes [[2]]); in #2 (broadcast" in text, text
     assert "rank 1 never entered collective #2 (broadcast, default_pg) that rank 0 has waited in for" in text
+    # and how to read the dumps again: this package's summary and torch's analyser
+    assert f"python -m pytest_megatron_fsdp collectives {logs / 'torchrun'}" in text, text
+    assert f"torchfrtrace {logs / 'torchrun'} -p flight_recorder_rank_" in text, text
     # both ranks dumped their stacks before either ended (torchrun stops the rest when one exits)
     assert "timeout on rank 0" in text and "timeout on rank 1" in text, text
     assert "collectives (c10d flight recorder" in (logs / "torchrun" / "rank0.log").read_text()
