@@ -81,7 +81,7 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
 
     spec = _spec(request)
     cfg = enable_megatron_fsdp(RunConfig())
-    cfg.model.preset = options.resolve(request.config, "preset") or DEFAULT_PRESET[megatron_parallel.platform]
+    cfg.model.preset = options.resolved(request.config).preset or DEFAULT_PRESET[megatron_parallel.platform]
     cfg.model.tensor_model_parallel_size = spec.tp
     cfg.model.pipeline_model_parallel_size = spec.pp
     cfg.model.context_parallel_size = spec.cp
