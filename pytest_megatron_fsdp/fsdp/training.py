@@ -29,8 +29,6 @@ from .presets import ModelPreset
 from .results import RunFacts, TrainResult, memory_in_use_bytes
 from .run import CheckpointLayout, RunBase, RunObserver
 
-__all__ = ["DATA_STREAMS", "RunObserver", "TrainingRun", "learnable_batch", "mock_gpt_batch"]
-
 
 def learnable_batch(
     preset: ModelPreset, micro_batch_size: int, generator: torch.Generator, device: str
