@@ -1,24 +1,30 @@
 """The documented import path of the run config (``fsdp.config``). Imports no torch."""
 
 from .fsdp.config import (
+    RULES,
     ConfigError,
     ConfigWarning,
+    Rule,
     RunConfig,
     apply_perf_harness_overrides,
     disable_megatron_fsdp,
     enable_megatron_fsdp,
+    findings,
     fix_checkpoint_format,
     recipe_fixup,
     validate,
 )
 
 __all__ = [
+    "RULES",
     "ConfigError",
     "ConfigWarning",
+    "Rule",
     "RunConfig",
     "apply_perf_harness_overrides",
     "disable_megatron_fsdp",
     "enable_megatron_fsdp",
+    "findings",
     "fix_checkpoint_format",
     "recipe_fixup",
     "validate",

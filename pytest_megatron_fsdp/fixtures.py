@@ -7,7 +7,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
 
 import pytest
 
@@ -21,7 +21,11 @@ from .harness.session import RANK_SESSION, RankSession
 if TYPE_CHECKING:
     from .fsdp.fully_shard import FullyShardRun
     from .fsdp.release import RunWatch
+    from .fsdp.run import Run, RunObserver
     from .fsdp.training import TrainingRun
+
+P = ParamSpec("P")
+R = TypeVar("R", bound="Run")
 
 
 def _rank_session(request: pytest.FixtureRequest) -> RankSession:
@@ -77,7 +81,7 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
 
     spec = _spec(request)
     cfg = enable_megatron_fsdp(RunConfig())
-    cfg.model.preset = options.resolve(request.config, "preset") or DEFAULT_PRESET[megatron_parallel.platform]
+    cfg.model.preset = options.resolved(request.config).preset or DEFAULT_PRESET[megatron_parallel.platform]
     cfg.model.tensor_model_parallel_size = spec.tp
     cfg.model.pipeline_model_parallel_size = spec.pp
     cfg.model.context_parallel_size = spec.cp
@@ -139,26 +143,11 @@ def megatron_fsdp_run(
     and recorded for the session summary, the JSON report and JUnit properties.
     """
     from .fsdp.training import TrainingRun
-    from .reporting.metrics import TestRecorder
 
-    recorder = TestRecorder(request.node)
-    runs: list[TrainingRun] = []
-    watch = _watch_runs(request, megatron_parallel)
+    def build(observer: RunObserver, cfg: RunConfig | None = None) -> TrainingRun:
+        return TrainingRun(cfg or run_config, megatron_parallel, observer=observer)
 
-    def build(cfg: RunConfig | None = None) -> TrainingRun:
-        run = TrainingRun(cfg or run_config, megatron_parallel, observer=recorder)
-        label = f"run {len(runs) + 1}"
-        watch.watch(f"{label}'s model", run.model)
-        watch.watch(f"{label}'s module", getattr(run.model, "module", None))
-        watch.watch(f"{label}'s optimizer", run.optimizer)
-        recorder.started(run)
-        runs.append(run)
-        return run
-
-    try:
-        yield build
-    finally:
-        _close_all(runs, _rank_session(request))
+    yield from _run_factory(request, megatron_parallel, "run", build)
 
 
 @pytest.fixture
@@ -183,26 +172,46 @@ def fully_shard_run(
     import torch
 
     from .fsdp.fully_shard import FullyShardRun
-    from .reporting.metrics import TestRecorder
 
     torch.manual_seed(RunConfig().train.seed)
-    recorder = TestRecorder(request.node)
-    runs: list[FullyShardRun] = []
-    watch = _watch_runs(request, dist_env)
 
-    def build(module, optimizer, batches, loss_fn, **fully_shard_kwargs) -> FullyShardRun:
-        run = FullyShardRun(
-            module, optimizer, batches, loss_fn, dist_env, observer=recorder, **fully_shard_kwargs
+    def build(
+        observer: RunObserver, module, optimizer, batches, loss_fn, **fully_shard_kwargs
+    ) -> FullyShardRun:
+        return FullyShardRun(
+            module, optimizer, batches, loss_fn, dist_env, observer=observer, **fully_shard_kwargs
         )
-        label = f"fully_shard run {len(runs) + 1}"
-        watch.watch(f"{label}'s model", run.model)
-        watch.watch(f"{label}'s optimizer", run.optimizer)
+
+    yield from _run_factory(request, dist_env, "fully_shard run", build)
+
+
+def _run_factory(
+    request: pytest.FixtureRequest,
+    env: DistEnv,
+    label: str,
+    build: Callable[Concatenate[RunObserver, P], R],
+) -> Iterator[Callable[P, R]]:
+    """The one run factory behind the run fixtures: ``build(observer, *args, **kwargs)`` makes a
+    :class:`~.fsdp.run.Run`; the factory yielded takes ``*args, **kwargs``. Each run is recorded
+    (its results and checkpoints, for the reports), the parts it owns are watched (they must be
+    gone after the test), and every run is closed when the test ends."""
+    from .reporting.metrics import TestRecorder
+
+    recorder = TestRecorder(request.node)
+    runs: list[Run] = []
+    watch = _watch_runs(request, env)
+
+    def factory(*args: P.args, **kwargs: P.kwargs) -> R:
+        run = build(recorder, *args, **kwargs)
+        name = f"{label} {len(runs) + 1}"
+        for part, value in run.parts().items():
+            watch.watch(f"{name}'s {part}", value)
         recorder.started(run)
         runs.append(run)
         return run
 
     try:
-        yield build
+        yield factory
     finally:
         _close_all(runs, _rank_session(request))
 
@@ -224,7 +233,7 @@ def _watch_runs(request: pytest.FixtureRequest, env: DistEnv) -> RunWatch:
     return watch
 
 
-def _close_all(runs: list, session: RankSession) -> None:
+def _close_all(runs: list[Run], session: RankSession) -> None:
     """Close every run, and forget them: the factory, which the test's fixture values hold until
     pytest drops them, must not keep them. A run waits for the collectives it left in flight only
     while the ranks still run collectives together (a failure may have released them)."""

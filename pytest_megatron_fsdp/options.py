@@ -28,8 +28,6 @@ from .fsdp.presets import DEFAULT_PRESET, PRESETS
 from .harness.protocol import add_internal_options
 
 PREFIX = "mfsdp"
-#: every option's resolved value, by name (checked once, at configure time)
-OPTION_VALUES = pytest.StashKey[dict[str, Any]]()
 PLATFORMS = ("auto", "cpu", "cuda")
 
 
@@ -241,6 +239,45 @@ class OptionError(pytest.UsageError):
     pass
 
 
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """Every option's value for the session, resolved once at configure time (command line >
+    environment > ini > default) and checked; one attribute per option of :data:`OPTIONS`
+    (``golden-mode`` -> ``golden_mode``). A test's marker may still win over some of them:
+    :func:`resolve` with the marker's value."""
+
+    platform: str
+    preset: str | None
+    timeout: float
+    reruns: int
+    log_dir: str | None
+    shared_dir: str | None
+    pg_timeout: float
+    set: tuple[str, ...]
+    use_megatron_fsdp: bool
+    distributed_logs: bool
+    debug_collectives: bool
+    report_json: str | None
+    #: absolute (relative ones are taken from the invocation directory)
+    golden: str | None
+    golden_mode: str
+    plot: str | None
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> ResolvedOptions:
+        """From ``{option name: value}``, every option of :data:`OPTIONS` (and no other) given."""
+        return cls(**{name.replace("-", "_"): value for name, value in values.items()})
+
+
+#: the session's resolved options (stashed at configure time; :func:`resolved` reads them)
+OPTION_VALUES = pytest.StashKey[ResolvedOptions]()
+
+
+def resolved(config: pytest.Config) -> ResolvedOptions:
+    """The session's options, as resolved at configure time."""
+    return config.stash[OPTION_VALUES]
+
+
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("megatron-fsdp", "Megatron-FSDP distributed testing")
     for option in OPTIONS.values():
@@ -317,14 +354,14 @@ def _parse(option: Option, raw: Any, source: str) -> Any:
         raise OptionError(f"{source}: invalid value {raw!r} for {option.flag}: {exc}") from None
 
 
-def check_all(config: pytest.Config) -> dict[str, Any]:
+def check_all(config: pytest.Config) -> ResolvedOptions:
     """Resolve every option once, so a bad value anywhere fails at configure time."""
     values = {name: resolve(config, name) for name in OPTIONS}
     if values["set"] or values["preset"]:
         _check_run_config(config, values)
     if values["golden"] is not None:
         values["golden"] = str(_golden_root(config, values))
-    return values
+    return ResolvedOptions.from_values(values)
 
 
 def _golden_root(config: pytest.Config, values: dict[str, Any]) -> Path:

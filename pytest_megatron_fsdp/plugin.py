@@ -78,19 +78,19 @@ def _golden_values(item: pytest.Item, report: pytest.TestReport) -> None:
     """--mfsdp-golden, in the process that ran the test (a rank: its runs are recorded there, the
     same on every rank): record the golden file (rank 0 writes it), or compare with it and fail
     the test's call with one line per difference."""
-    values = item.config.stash[options.OPTION_VALUES]
-    if values["golden"] is None:
+    values = options.resolved(item.config)
+    if values.golden is None:
         return
     from .fsdp import versions
     from .reporting import golden  # numpy: only where golden values are asked for
 
     torchrun = roles.role_of(item.config).torchrun
     failures = golden.record_or_compare(
-        Path(values["golden"]),
+        Path(values.golden),
         versions.golden_stack(),
         item.nodeid,
         metrics.run_records(item),
-        values["golden-mode"],
+        values.golden_mode,
         write=torchrun is None or torchrun.rank == 0,
     )
     if failures:

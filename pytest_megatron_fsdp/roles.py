@@ -97,7 +97,7 @@ class RolePlugin:
         """At ``pytest_cmdline_main``: command-line settings pytest reads at configure."""
 
     @classmethod
-    def create(cls, config: pytest.Config, role: ProcessRole, values: dict[str, Any]) -> RolePlugin:
+    def create(cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions) -> RolePlugin:
         raise NotImplementedError
 
     def registered(self) -> None:
@@ -107,9 +107,9 @@ class RolePlugin:
 def _show_summary(terminalreporter: Any, config: pytest.Config, mode: str) -> None:
     from .reporting import report  # plain Python, no torch
 
-    values = config.stash[options.OPTION_VALUES]
+    values = options.resolved(config)
     reports = [r for category in terminalreporter.stats.values() for r in category]
-    json_path, plot_path = (_in_invocation_dir(config, values[name]) for name in ("report-json", "plot"))
+    json_path, plot_path = (_in_invocation_dir(config, path) for path in (values.report_json, values.plot))
     report.terminal_summary(
         terminalreporter, metrics.records_from_reports(reports), mode, json_path, plot_path
     )
@@ -131,8 +131,10 @@ class ParentPlugin(Controller, RolePlugin):
     NAME = "mfsdp-controller"
 
     @classmethod
-    def create(cls, config: pytest.Config, role: ProcessRole, values: dict[str, Any]) -> ParentPlugin:
-        return cls(config, options.forwarded_args(config), values["log-dir"])
+    def create(
+        cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions
+    ) -> ParentPlugin:
+        return cls(config, options.forwarded_args(config), values.log_dir)
 
     def registered(self) -> None:
         self._restore_signals: Callable[[], None] | None = None
@@ -158,7 +160,7 @@ class ParentPlugin(Controller, RolePlugin):
         if not distributed:
             self.close_all()  # a prestarted rank set, deselected
             return
-        lines = plan_platforms(self, config.stash[options.OPTION_VALUES]["platform"], distributed)
+        lines = plan_platforms(self, options.resolved(config).platform, distributed)
         try:
             gpu_slice = self.plan_gpu_slice()  # pytest-xdist workers on a GPU node: their own GPUs
         except GpuSliceError as exc:
@@ -244,15 +246,17 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         raise NotImplementedError
 
     @classmethod
-    def create(cls, config: pytest.Config, role: ProcessRole, values: dict[str, Any]) -> _RankRolePlugin:
+    def create(
+        cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions
+    ) -> _RankRolePlugin:
         assert role.torchrun is not None
         return cls(
             config,
             role.torchrun,
-            lambda: protocol.log_dir(config, values["log-dir"], "torchrun", chosen_by_parent=cls.LAUNCHED),
-            agreement_timeout_s=values["pg-timeout"],
-            default_timeout_s=values["timeout"],
-            distributed_logs=values["distributed-logs"],
+            lambda: protocol.log_dir(config, values.log_dir, "torchrun", chosen_by_parent=cls.LAUNCHED),
+            agreement_timeout_s=values.pg_timeout,
+            default_timeout_s=values.timeout,
+            distributed_logs=values.distributed_logs,
             private_temp=config.stash.get(_RANK_TEMP, None),
             launched=cls.LAUNCHED,
         )
@@ -271,7 +275,7 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         super().pytest_collection_modifyitems(config, items)  # a launched rank set: the parent's batch
 
     def _shared_root(self, config: pytest.Config) -> str | None:
-        return config.stash[options.OPTION_VALUES]["shared-dir"]
+        return options.resolved(config).shared_dir
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -281,7 +285,7 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         rank_session = RankSession.start(
             self.torchrun,
             config.stash[PLATFORM],
-            pg_timeout_s=config.stash[options.OPTION_VALUES]["pg-timeout"],
+            pg_timeout_s=options.resolved(config).pg_timeout,
             shared_root=self._shared_root(config),
         )
         config.stash[RANK_SESSION] = rank_session
@@ -363,7 +367,9 @@ class TorchrunRankPlugin(_RankRolePlugin):
             config.option.basetemp = str(config.stash[_RANK_TEMP] / "basetemp")
 
     @classmethod
-    def create(cls, config: pytest.Config, role: ProcessRole, values: dict[str, Any]) -> _RankRolePlugin:
+    def create(
+        cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions
+    ) -> _RankRolePlugin:
         options.refuse_plain_mode_only(config)
         return super().create(config, role, values)
 

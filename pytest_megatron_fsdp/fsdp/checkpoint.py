@@ -9,7 +9,10 @@ Layout (Megatron-Bridge's, what its ``verify_checkpoint_files`` checks; see :mod
     <dir>/iter_0000005/train_state.pt         the train state, inside the iteration it belongs to
     <dir>/iter_0000005/digests.json           SHA-256 of every other file of the iteration
 
-The DCP state dict is Megatron-LM's for ``ckpt_format=fsdp_dtensor`` (:mod:`.megatron_layout`).
+What goes into the DCP state dict and comes back out of it is the run's checkpoint layout
+(``run.checkpoint_layout``, :class:`.run.CheckpointLayout`): Megatron-LM's for
+``ckpt_format=fsdp_dtensor`` for a megatron-core run (:mod:`.megatron_layout`), the wrapper's own
+state dicts for a ``fully_shard`` run (:mod:`.fully_shard_layout`). This module never asks which.
 
 Atomic: every rank writes into ``iter_XXXXXXX.tmp-<uuid>``; only when all ranks report success
 (a collective every rank reaches) does rank 0 write the train state and the digests, rename the
@@ -53,9 +56,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import versions
 from .collectives import gather_objects, gather_problems
-from .config import ConfigError, validate
+from .config import ConfigError
 from .integrity import (
     FileDigest,
     HashingStream,
@@ -80,9 +82,10 @@ from .layout import (
     partial_save_dir_name,
 )
 from .megatron_layout import OPTIMIZER_METADATA, model_state_dict
+from .run import LOAD, SAVE
 
 if TYPE_CHECKING:
-    from .training import TrainingRun
+    from .run import Run
 
 __all__ = [
     "OPTIMIZER_METADATA",
@@ -125,10 +128,6 @@ def _describe(exc: BaseException, limit: int = 1500) -> str:
     return text if len(text) <= limit else text[:limit] + " [...]"
 
 
-def _strip_module(key: str) -> str:
-    return key[len("module.") :] if key.startswith("module.") else key
-
-
 def _raise_if_any(problems: list[str], what: str) -> None:
     if problems:
         raise CheckpointError(f"{what}: " + "; ".join(problems))
@@ -142,31 +141,6 @@ def flatten_state(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str
             yield from flatten_state(value, f"{name}.")
         else:
             yield name, value
-
-
-def _train_state(run: TrainingRun) -> dict[str, Any]:
-    """Plain data only, so that it loads with ``torch.load(weights_only=True)``."""
-    from megatron.core import parallel_state
-
-    scheduler = getattr(run, "scheduler", None)
-    return {
-        "iteration": int(run.iteration),
-        "ckpt_format": FORMAT,
-        "world_size": int(run.env.world_size),
-        "data_parallel_size": int(parallel_state.get_data_parallel_world_size()),
-        "global_batch_size": int(getattr(run, "global_batch_size", 0)),
-        "tensor_model_parallel_size": int(run.cfg.model.tensor_model_parallel_size),
-        "pipeline_model_parallel_size": int(run.cfg.model.pipeline_model_parallel_size),
-        "context_parallel_size": int(run.cfg.model.context_parallel_size),
-        "sharding_strategy": run.cfg.ddp.data_parallel_sharding_strategy,
-        "seed": int(run.cfg.train.seed),
-        "saved_by": {
-            "torch": versions.package_version("torch"),
-            "megatron-core": versions.package_version("megatron-core"),
-        },
-        # TrainingRun keeps a constant learning rate; a run with a scheduler saves its state here.
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,20 +268,19 @@ class _DyingStream:
         return getattr(self._stream, name)
 
 
-def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = None) -> SavedCheckpoint:
-    """Save ``run`` at its current iteration into ``save_dir`` (default ``run.cfg.checkpoint.save``).
+def save_checkpoint(run: Run, save_dir: str | os.PathLike[str] | None = None) -> SavedCheckpoint:
+    """Save ``run`` at its current iteration into ``save_dir`` (default: the layout's,
+    ``run.cfg.checkpoint.save`` for a megatron-core run; a ``fully_shard`` run has none).
 
     Every rank calls it. Returns where the checkpoint is; raises :class:`ConfigError` (before
     touching the disk) for a config upstream rejects, and :class:`CheckpointError` on every rank
     when any rank failed, in which case the previous checkpoint stays the latest.
     """
-    layout = _layout_of(run)
-    cfg = getattr(run, "cfg", None)  # a fully_shard run has no RunConfig
-    target = save_dir if save_dir is not None or cfg is None else cfg.checkpoint.save
+    layout = run.checkpoint_layout
+    target = save_dir if save_dir is not None else layout.checkpoint_dir(run, SAVE)
     if target is None:
         raise ConfigError("no checkpoint directory: pass save_dir or set checkpoint.save")
-    if cfg is not None:
-        validate(cfg, run.env.world_size, purpose="save")
+    layout.check(run, SAVE)
     started = time.perf_counter()
     root = Path(target)
     iteration = int(run.iteration)
@@ -358,7 +331,7 @@ def save_checkpoint(run: TrainingRun, save_dir: str | os.PathLike[str] | None = 
     # Phase 3, rank 0: seal (train state, digests) and publish (rename, pointers, tracker last).
     if not problems and rank0:
         try:
-            train_state = layout.train_state(run) if layout is not _megatron_layout() else _train_state(run)
+            train_state = layout.train_state(run)
             _seal(tmp_dir, train_state, written)
             _publish(root, tmp_dir, iteration, train_state)
         except _FAILURES as exc:
@@ -518,26 +491,11 @@ def files_read_by(state_dict: dict[str, Any], metadata: Metadata) -> set[str]:
 # load
 
 
-def _megatron_layout() -> Any:
-    from . import megatron_layout
-
-    return megatron_layout
-
-
-def _layout_of(run: Any) -> Any:
-    """The module that builds and applies ``run``'s state dicts: Megatron-LM's layout for a
-    megatron-core run, ``fully_shard``'s own state dicts for a :class:`FullyShardRun`."""
-    if hasattr(run, "cfg"):
-        return _megatron_layout()
-    from . import fully_shard_layout
-
-    return fully_shard_layout
-
-
 def load_checkpoint(
-    run: TrainingRun, load_dir: str | os.PathLike[str] | None = None, iteration: int | None = None
+    run: Run, load_dir: str | os.PathLike[str] | None = None, iteration: int | None = None
 ) -> int:
-    """Load the checkpoint in ``load_dir`` (default ``run.cfg.checkpoint.load``) into ``run``.
+    """Load the checkpoint in ``load_dir`` (default: the layout's, ``run.cfg.checkpoint.load`` for a
+    megatron-core run; a ``fully_shard`` run has none) into ``run``.
 
     Every rank calls it, at any world size and sharding strategy. Loads the model weights (made
     live at once, not at the next step), the optimizer state, the RNGs and data-stream position
@@ -546,13 +504,11 @@ def load_checkpoint(
     :class:`CheckpointError` on every rank, with the path and the problem; a checkpoint refused by
     the checks (damaged, incomplete, another model) leaves ``run`` unchanged.
     """
-    layout = _layout_of(run)
-    cfg = getattr(run, "cfg", None)  # a fully_shard run has no RunConfig
-    source = load_dir if load_dir is not None or cfg is None else cfg.checkpoint.load
+    layout = run.checkpoint_layout
+    source = load_dir if load_dir is not None else layout.checkpoint_dir(run, LOAD)
     if source is None:
         raise ConfigError("no checkpoint directory: pass load_dir or set checkpoint.load")
-    if cfg is not None:
-        validate(cfg, run.env.world_size, purpose="load")
+    layout.check(run, LOAD)
     started = time.perf_counter()
     root = Path(source)
 
@@ -588,45 +544,9 @@ def load_checkpoint(
     problem = None
     try:
         dcp.load(loaded.state_dict, storage_reader=dcp.FileSystemReader(iter_dir))
-        if layout is _megatron_layout():
-            _apply_megatron_load(run, loaded, metadata, train_state)
-        else:
-            layout.apply_loaded(run, loaded, train_state)
+        layout.apply_loaded(run, loaded, metadata, train_state)
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: {_describe(exc)}"
     _raise_if_any(gather_problems(problem), f"loading {iter_dir} failed")
     run.notify_checkpoint(load_s=time.perf_counter() - started)
     return found.iteration
-
-
-def _apply_megatron_load(
-    run: TrainingRun, loaded: Any, metadata: Metadata, train_state: dict[str, Any]
-) -> None:
-    """After DCP filled ``loaded``: make it the run's state (megatron-core's wrapper and optimizer)."""
-    from . import megatron_layout
-
-    # DCP wrote into the DTensors in place (SwiGLU's _w/_v halves are views of the raw
-    # tensors); load_state_dict runs Megatron-FSDP's post-load hook, which copies the loaded
-    # main weights into the weights the forward pass uses (without it they stay inactive
-    # until the first optimizer step: Bridge bug #3397). (FullyShardedDataParallel.load_state_dict
-    # adds back the "module." its state_dict adds.)
-    run.model.load_state_dict({_strip_module(k): v for k, v in loaded.raw_model.items()})
-    if run.cfg.ddp.data_parallel_sharding_strategy != "no_shard":
-        # Drop parameter buckets all-gathered before the load (the optimizer step prefetches
-        # the next forward's): else a run that trained before loading computes its next
-        # forward with the old weights. no_shard gathers nothing (it has no weight buffer).
-        run.model.module.synchronize_param_gather()
-    megatron_layout.install_optimizer_state(run, loaded)
-    megatron_layout.restore_run_state(run, loaded, metadata, train_state)
-    run.iteration = int(train_state["iteration"])
-    scheduler = getattr(run, "scheduler", None)
-    if scheduler is not None and train_state.get("scheduler") is not None:
-        # The saving run's global batch: recorded, or (older train states) the same micro-batches
-        # per data-parallel rank at the saved data-parallel size.
-        here = int(run.global_batch_size)
-        saved = train_state.get("global_batch_size") or (
-            here
-            * int(train_state["data_parallel_size"])
-            // (run.env.world_size // run.cfg.model_parallel_size)
-        )
-        scheduler.load_state_dict(train_state["scheduler"], samples_ratio=here / int(saved))

@@ -35,12 +35,15 @@ if TYPE_CHECKING:
 
 def v2_parts(run: TrainingRun) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The module V2 sharded (``fully_shard`` applied in place; the wrapper's ``module``) and the
-    torch optimizer inside megatron-core's ``FullyShardedOptimizer``."""
-    from .versions import megatron_fsdp_wrapper_types
-
-    v2 = [t for t in megatron_fsdp_wrapper_types() if t.__name__ == "FullyShardedDataParallelV2"]
-    if not v2 or not isinstance(run.model, v2[0]):
-        raise TypeError(f"not a Megatron-FSDP V2 run: the model is {type(run.model).__name__}")
+    torch optimizer inside megatron-core's ``FullyShardedOptimizer``. The run's config says whether
+    it is V2 (megatron-core builds ``FullyShardedDataParallelV2`` exactly then)."""
+    cfg = run.cfg
+    if not (cfg.uses_megatron_fsdp and cfg.ddp.megatron_fsdp_version == 2):
+        raise TypeError(
+            f"not a Megatron-FSDP V2 run (use_megatron_fsdp={cfg.uses_megatron_fsdp}, "
+            f"ddp.megatron_fsdp_version={cfg.ddp.megatron_fsdp_version}): build it with "
+            "ddp.megatron_fsdp_version=2"
+        )
     return run.model.module, run.optimizer.optimizer
 
 

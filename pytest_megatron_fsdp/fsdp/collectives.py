@@ -1,8 +1,9 @@
-"""The two collectives the domain's checks use: gather a value from every rank, and agree on problems.
+"""The collectives the domain's checks and runs use: gather a value from every rank, agree on
+problems, and average a figure over the data-parallel ranks.
 
-Every rank calls them at the same point (they are collectives on the default process group), so
-every rank sees every rank's value and reaches the same verdict; a check that only one rank could
-fail would leave the others passing or waiting.
+Every rank calls them at the same point (they are collectives on the default process group, or the
+group given), so every rank sees every rank's value and reaches the same verdict; a check that only
+one rank could fail would leave the others passing or waiting.
 """
 
 from __future__ import annotations
@@ -26,3 +27,14 @@ def gather_problems(local_problem: str | None) -> list[str]:
         if problem is not None and problem not in problems:
             problems.append(problem)
     return problems
+
+
+def data_parallel_mean(value: float, device: str, group: Any = None) -> float:
+    """The mean of ``value`` over the ranks of ``group`` (default: every rank), in float64, on every
+    one of them (one ``all_reduce``): a run's loss as Megatron logs it."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t.item()) / dist.get_world_size(group)

@@ -14,14 +14,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from ..environment import DistEnv
-from .release import release_grad_hooks, release_method_caches, wait_pending_collectives
+from . import fully_shard_layout
+from .collectives import data_parallel_mean
 from .results import RunFacts, TrainResult, memory_in_use_bytes
+from .run import CheckpointLayout, RunBase, RunObserver
 
 #: ``loss_fn(model, batch) -> scalar loss tensor``
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -34,12 +36,6 @@ def _batch_stream(batches: Batches) -> Callable[[int], Any]:
         return batches
     iterator: Iterator[Any] = iter(batches)
     return lambda iteration: next(iterator)
-
-
-def _data_parallel_mean(value: float, env: DistEnv, group: Any = None) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=env.device)
-    dist.all_reduce(t, group=group)
-    return float(t.item()) / dist.get_world_size(group)
 
 
 def _counted_grads(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> Iterator[torch.Tensor]:
@@ -82,13 +78,16 @@ def global_num_zeros(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> 
     return float(total)
 
 
-class FullyShardRun:
-    """``megatron_fsdp.fully_shard(module, optimizer, **kwargs)``, then a training loop.
+class FullyShardRun(RunBase):
+    """``megatron_fsdp.fully_shard(module, optimizer, **kwargs)``, then a training loop (a
+    :class:`~.run.Run`; checkpointed as the wrapper's own state dicts, :mod:`.fully_shard_layout`).
 
     ``kwargs`` go to ``fully_shard`` unchanged (``zero_dp_strategy``, ``fsdp_unit_modules``,
     ``mixed_precision_policy``, ``device_mesh``, ``dp_shard_dim``, ``dp_outer_dim``,
     ``hybrid_fsdp_group``, ``outer_dp_sharding_strategy``, ...); ``device`` defaults to the rank's.
     """
+
+    checkpoint_layout: ClassVar[CheckpointLayout] = fully_shard_layout
 
     def __init__(
         self,
@@ -97,7 +96,7 @@ class FullyShardRun:
         batches: Batches,
         loss_fn: LossFn,
         env: DistEnv,
-        observer: Any = None,
+        observer: RunObserver | None = None,
         tokens_per_batch: int = 0,
         **fully_shard_kwargs: Any,
     ) -> None:
@@ -153,7 +152,7 @@ class FullyShardRun:
             result.step_times_s.append(time.perf_counter() - start)
             local = float(loss.detach())
             result.local_losses.append(local)
-            result.losses.append(_data_parallel_mean(local, self.env))
+            result.losses.append(data_parallel_mean(local, self.env.device))
             result.grad_norms.append(grad_norm)
             result.num_zeros.append(num_zeros)
             result.memory_bytes.append(memory_in_use_bytes(self.env.platform))
@@ -161,19 +160,6 @@ class FullyShardRun:
         if self.observer is not None:
             self.observer.on_result(self, result)
         return result
-
-    def notify_checkpoint(self, **figures: float) -> None:
-        if self.observer is not None:
-            self.observer.on_checkpoint(self, figures)
-
-    def close(self, wait_collectives: bool = True) -> None:
-        """Release the wrapped model and optimizer (see ``TrainingRun.close``; again: a no-op)."""
-        if wait_collectives:
-            wait_pending_collectives(self.model)
-        release_grad_hooks(self.model)
-        release_method_caches(self.model)
-        self.model = None
-        self.optimizer = None
 
 
 def train_with_torch_ddp(
@@ -200,6 +186,6 @@ def train_with_torch_ddp(
         result.step_times_s.append(time.perf_counter() - start)
         local = float(loss.detach())
         result.local_losses.append(local)
-        result.losses.append(_data_parallel_mean(local, env))
+        result.losses.append(data_parallel_mean(local, env.device))
         result.grad_norms.append(grad_norm)
     return result

@@ -19,7 +19,7 @@ from .layout import FORMAT
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from .fully_shard import FullyShardRun
+    from .run import Run
 
 
 @dataclass
@@ -27,24 +27,34 @@ class LoadState:
     state_dict: dict[str, Any]
 
 
-def local_save_state(run: FullyShardRun) -> None:
+def checkpoint_dir(run: Run, purpose: str) -> None:
+    """None: a fully_shard run has no config naming a directory (the caller passes one)."""
+    return None
+
+
+def check(run: Run, purpose: str) -> None:
+    """Nothing to refuse before the disk: no config (``fully_shard`` checked its arguments)."""
+    return None
+
+
+def local_save_state(run: Run) -> None:
     """Nothing to gather before the collectives: the state dicts are built in save_state_dict."""
     return None
 
 
-def save_state_dict(run: FullyShardRun, local: None) -> dict[str, Any]:
+def save_state_dict(run: Run, local: None) -> dict[str, Any]:
     """Collective (the uneven-DTensor hooks exchange shard metadata)."""
     return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()}
 
 
-def train_state(run: FullyShardRun) -> dict[str, Any]:
+def train_state(run: Run) -> dict[str, Any]:
     """Plain data only, so that it loads with ``torch.load(weights_only=True)``."""
     return {
         "iteration": int(run.iteration),
         "ckpt_format": FORMAT,
         "layout": "fully_shard",
         "world_size": int(run.env.world_size),
-        "sharding_strategy": run.strategy,
+        "sharding_strategy": run.facts().strategy,
         "saved_by": {
             "torch": versions.package_version("torch"),
             "megatron-fsdp": versions.package_version("megatron-fsdp"),
@@ -52,12 +62,12 @@ def train_state(run: FullyShardRun) -> dict[str, Any]:
     }
 
 
-def load_state_dict(run: FullyShardRun, metadata: Metadata) -> LoadState:
+def load_state_dict(run: Run, metadata: Metadata) -> LoadState:
     """What DCP loads into: this run's own state dicts (changes nothing until applied). Collective."""
     return LoadState({"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict()})
 
 
-def apply_loaded(run: FullyShardRun, loaded: LoadState, train_state: dict[str, Any]) -> None:
+def apply_loaded(run: Run, loaded: LoadState, metadata: Metadata, train_state: dict[str, Any]) -> None:
     # DCP filled both dicts' tensors in place (the optimizer's state is its own live tensors, so
     # its values are back already); load_state_dict still matters: the model's post-load hook
     # installs the loaded weights for the next forward, the optimizer's restores param_groups.

@@ -39,10 +39,11 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from . import versions
+from .config import validate
 from .layout import FORMAT, CheckpointError, CheckpointWarning
 
 if TYPE_CHECKING:
-    from .training import TrainingRun
+    from .run import MegatronCoreRun
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": FORMAT}
 #: Megatron-LM's and Bridge's ``state_dict["checkpoint_version"]``
@@ -62,12 +63,14 @@ def strip_wrappers(name: str) -> str:
     return name
 
 
-def model_state_dict(run: TrainingRun) -> dict[str, Any]:
+def model_state_dict(run: MegatronCoreRun) -> dict[str, Any]:
     """The wrapped model's DTensor state dict, as Megatron-LM takes it for fsdp_dtensor."""
     return run.model.state_dict_for_save_checkpoint()
 
 
-def optimizer_state_dict(run: TrainingRun, model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def optimizer_state_dict(
+    run: MegatronCoreRun, model: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The optimizer's fsdp_dtensor state dict, and the same with one key space on every rank.
 
     megatron-core 0.16's DistributedOptimizer only has state for parameters whose local shard
@@ -215,7 +218,7 @@ def _resolving_model(model: torch.nn.Module) -> Any:
     return _Resolving()
 
 
-def apply_megatron_lm_handlers(run: TrainingRun, state_dict: dict[str, Any]) -> None:
+def apply_megatron_lm_handlers(run: MegatronCoreRun, state_dict: dict[str, Any]) -> None:
     """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` on ``state_dict`` (in place), without the
     final ``preprocess_state_dict_for_uneven_dtensor``. Collective (the handlers build DTensors)."""
     handlers = versions.megatron_lm_fsdp_dtensor_handlers()
@@ -254,14 +257,14 @@ class SaveState:
     data_stream: torch.Tensor
 
 
-def local_save_state(run: TrainingRun) -> SaveState:
+def local_save_state(run: MegatronCoreRun) -> SaveState:
     """No collectives, no changes to the run."""
     model = model_state_dict(run)
     _, optimizer = optimizer_state_dict(run, model)
     return SaveState(model, optimizer, local_rng_state(), run.data_stream_state())
 
 
-def save_state_dict(run: TrainingRun, local: SaveState) -> dict[str, Any]:
+def save_state_dict(run: MegatronCoreRun, local: SaveState) -> dict[str, Any]:
     """The DCP state dict to save, in Megatron-LM's layout, preprocessed. Collective."""
     pp_rank, tp_rank, dp_rank, _ = parallel_ranks()
     state_dict = {
@@ -275,6 +278,40 @@ def save_state_dict(run: TrainingRun, local: SaveState) -> dict[str, Any]:
     apply_megatron_lm_handlers(run, state_dict)
     preprocess_uneven(state_dict)
     return state_dict
+
+
+def checkpoint_dir(run: MegatronCoreRun, purpose: str) -> str | None:
+    """``checkpoint.save`` or ``checkpoint.load`` of the run's config."""
+    return run.cfg.checkpoint.save if purpose == "save" else run.cfg.checkpoint.load
+
+
+def check(run: MegatronCoreRun, purpose: str) -> None:
+    """The config's checkpoint rules (``validate(purpose=...)``): ConfigError before the disk is touched."""
+    validate(run.cfg, run.env.world_size, purpose=purpose)
+
+
+def train_state(run: MegatronCoreRun) -> dict[str, Any]:
+    """Plain data only, so that it loads with ``torch.load(weights_only=True)``."""
+    from megatron.core import parallel_state
+
+    return {
+        "iteration": int(run.iteration),
+        "ckpt_format": FORMAT,
+        "world_size": int(run.env.world_size),
+        "data_parallel_size": int(parallel_state.get_data_parallel_world_size()),
+        "global_batch_size": int(run.global_batch_size),
+        "tensor_model_parallel_size": int(run.cfg.model.tensor_model_parallel_size),
+        "pipeline_model_parallel_size": int(run.cfg.model.pipeline_model_parallel_size),
+        "context_parallel_size": int(run.cfg.model.context_parallel_size),
+        "sharding_strategy": run.cfg.ddp.data_parallel_sharding_strategy,
+        "seed": int(run.cfg.train.seed),
+        "saved_by": {
+            "torch": versions.package_version("torch"),
+            "megatron-core": versions.package_version("megatron-core"),
+        },
+        # Megatron's OptimizerParamScheduler, as Bridge checkpoints it
+        "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
+    }
 
 
 def layout_of(metadata: Metadata) -> str:
@@ -319,7 +356,7 @@ class LoadState:
     layout: str
 
 
-def load_state_dict(run: TrainingRun, metadata: Metadata) -> LoadState:
+def load_state_dict(run: MegatronCoreRun, metadata: Metadata) -> LoadState:
     """What DCP loads this checkpoint into, preprocessed. Changes nothing in the run (the checks
     before a load use it too). Collective."""
     layout = layout_of(metadata)
@@ -354,7 +391,7 @@ def load_state_dict(run: TrainingRun, metadata: Metadata) -> LoadState:
     return LoadState(state_dict, model, optimizer, frozenset(own["state"]), layout)
 
 
-def install_optimizer_state(run: TrainingRun, loaded: LoadState) -> None:
+def install_optimizer_state(run: MegatronCoreRun, loaded: LoadState) -> None:
     """Hand the loaded optimizer state to the optimizer (after ``dcp.load``).
 
     Parameters get state where the optimizer keeps state: those it had state for, and those whose
@@ -387,7 +424,7 @@ def _saved_data_parallel_size(metadata: Metadata, layout: str) -> int:
 
 
 def restore_run_state(
-    run: TrainingRun, loaded: LoadState, metadata: Metadata, train_state: dict[str, Any]
+    run: MegatronCoreRun, loaded: LoadState, metadata: Metadata, train_state: dict[str, Any]
 ) -> None:
     """Set this rank's RNGs and data stream from a loaded checkpoint.
 
@@ -462,3 +499,37 @@ def _set_legacy_rng_state(state: dict[str, Any]) -> None:
         from megatron.core import tensor_parallel
 
         tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+
+def apply_loaded(
+    run: MegatronCoreRun, loaded: LoadState, metadata: Metadata, train_state: dict[str, Any]
+) -> None:
+    """After DCP filled ``loaded``: make it the run's state (megatron-core's wrapper and optimizer)."""
+    # DCP wrote into the DTensors in place (SwiGLU's _w/_v halves are views of the raw
+    # tensors); load_state_dict runs Megatron-FSDP's post-load hook, which copies the loaded
+    # main weights into the weights the forward pass uses (without it they stay inactive
+    # until the first optimizer step: Bridge bug #3397). (FullyShardedDataParallel.load_state_dict
+    # adds back the one "module." its state_dict adds.)
+    run.model.load_state_dict({_strip_one_module(k): v for k, v in loaded.raw_model.items()})
+    if run.cfg.ddp.data_parallel_sharding_strategy != "no_shard":
+        # Drop parameter buckets all-gathered before the load (the optimizer step prefetches
+        # the next forward's): else a run that trained before loading computes its next
+        # forward with the old weights. no_shard gathers nothing (it has no weight buffer).
+        run.model.module.synchronize_param_gather()
+    install_optimizer_state(run, loaded)
+    restore_run_state(run, loaded, metadata, train_state)
+    run.iteration = int(train_state["iteration"])
+    if run.scheduler is not None and train_state.get("scheduler") is not None:
+        # The saving run's global batch: recorded, or (older train states) the same micro-batches
+        # per data-parallel rank at the saved data-parallel size.
+        here = int(run.global_batch_size)
+        saved = train_state.get("global_batch_size") or (
+            here
+            * int(train_state["data_parallel_size"])
+            // (run.env.world_size // run.cfg.model_parallel_size)
+        )
+        run.scheduler.load_state_dict(train_state["scheduler"], samples_ratio=here / int(saved))
+
+
+def _strip_one_module(key: str) -> str:
+    return key[len("module.") :] if key.startswith("module.") else key

@@ -11,32 +11,23 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..environment import DistEnv
+from . import megatron_layout
 from . import model as model_builder
+from .collectives import data_parallel_mean
 from .config import ConfigWarning, RunConfig, validate
 from .parallel import initialize_model_parallel
 from .presets import ModelPreset
-from .release import release_grad_hooks, release_method_caches, wait_pending_collectives
 from .results import RunFacts, TrainResult, memory_in_use_bytes
-
-
-class RunObserver(Protocol):
-    """Told what a run measured (every rank calls both, at the same points)."""
-
-    def on_result(self, run: TrainingRun, result: TrainResult) -> None:
-        """After every ``train()``: may run collectives (every rank reaches it)."""
-
-    def on_checkpoint(self, run: TrainingRun, figures: dict[str, float]) -> None:
-        """After a save (``bytes``, ``save_s``) or a load (``load_s``); no collectives."""
+from .run import CheckpointLayout, RunBase, RunObserver
 
 
 def learnable_batch(
@@ -93,8 +84,13 @@ def mock_gpt_batch(
 DATA_STREAMS = {"counting": learnable_batch, "mock-gpt": mock_gpt_batch}
 
 
-class TrainingRun:
-    """A Megatron-FSDP model, its DistributedOptimizer and a data stream, ready to train."""
+class TrainingRun(RunBase):
+    """A Megatron-FSDP model, its DistributedOptimizer and a data stream, ready to train (a
+    :class:`~.run.Run`; checkpointed in Megatron-LM's fsdp_dtensor layout, :mod:`.megatron_layout`)."""
+
+    checkpoint_layout: ClassVar[CheckpointLayout] = megatron_layout
+    #: the scheduler holds the optimizer: closing drops it too
+    released: ClassVar[tuple[str, ...]] = ("model", "optimizer", "scheduler")
 
     def __init__(self, cfg: RunConfig, env: DistEnv, observer: RunObserver | None = None) -> None:
         self.warnings = validate(cfg, env.world_size, platform=env.platform, backend=env.backend)
@@ -198,12 +194,6 @@ class TrainingRun:
         """The learning rate the next optimizer step uses (the scheduler sets every group's)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _data_parallel_mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.env.device)
-        group = parallel_state.get_data_parallel_group()
-        dist.all_reduce(t, group=group)
-        return float(t.item()) / dist.get_world_size(group)
-
     def train(self, iterations: int | None = None) -> TrainResult:
         """Train ``iterations`` steps (default: ``train.train_iters``); returns per-step figures."""
         result = TrainResult(first_iteration=self.iteration + 1)
@@ -222,7 +212,9 @@ class TrainingRun:
                 torch.cuda.synchronize()
             result.step_times_s.append(time.perf_counter() - start)
             result.local_losses.append(local)
-            result.losses.append(self._data_parallel_mean(local))
+            result.losses.append(
+                data_parallel_mean(local, self.env.device, parallel_state.get_data_parallel_group())
+            )
             result.grad_norms.append(grad_norm)
             result.learning_rates.append(lr)
             result.num_zeros.append(num_zeros)
@@ -245,25 +237,14 @@ class TrainingRun:
         self.model.eval()
         with torch.no_grad():
             local = self._forward_backward(forward_only=True)
-        return self._data_parallel_mean(local)
+        return data_parallel_mean(local, self.env.device, parallel_state.get_data_parallel_group())
 
-    def close(self, wait_collectives: bool = True) -> None:
-        """Release this run's model and optimizer (again: a no-op).
-
-        First the collectives the wrapper left in flight (waited: ``wait_collectives=False`` after
-        a failure that released the ranks from running collectives together) and the hooks that
-        would keep the wrapper alive forever (``fsdp.release``), then the references: once the
-        caller's are gone too, the garbage collector frees the model, its gradients and the
-        optimizer state. Megatron's model-parallel state stays up for the next run or test with
-        the same sizes; the rank session tears it down with the process group.
-        """
-        if wait_collectives:
-            wait_pending_collectives(self.model)
-        release_grad_hooks(self.model)
-        release_method_caches(self.model)
-        self.model = None
-        self.optimizer = None
-        self.scheduler = None
+    def parts(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "module": getattr(self.model, "module", None),  # the model inside the wrapper
+            "optimizer": self.optimizer,
+        }
 
     # Checkpointing (pytest_megatron_fsdp.checkpoint): the data stream's position is part of the
     # saved train state, so a resumed run draws the batches the uninterrupted one would have.
@@ -289,8 +270,3 @@ class TrainingRun:
             data_parallel_size=dp,
             tokens_per_step=p.micro_batch_size * p.seq_length * p.num_microbatches * dp,
         )
-
-    def notify_checkpoint(self, **figures: float) -> None:
-        """Checkpoint figures (``bytes``, ``save_s``, ``load_s``) for the observer."""
-        if self.observer is not None:
-            self.observer.on_checkpoint(self, figures)

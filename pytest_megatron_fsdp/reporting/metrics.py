@@ -36,7 +36,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ..fsdp.results import TrainResult
-    from ..fsdp.training import TrainingRun
+    from ..fsdp.run import Run
 
 #: where a report carries its test's run records (a list of ``dataclasses.asdict(RunRecord)``)
 REPORT_ATTRIBUTE = "mfsdp_runs"
@@ -50,24 +50,24 @@ _PENDING_CHECKPOINT = pytest.StashKey[dict[str, Any]]()
 
 
 class TestRecorder:
-    """A run's observer for one test (see ``fsdp.training.RunObserver``)."""
+    """A run's observer for one test (see ``fsdp.run.RunObserver``)."""
 
     __test__ = False  # not a test class, whatever its name
 
     def __init__(self, item: pytest.Item) -> None:
         self.item = item
 
-    def started(self, run: TrainingRun) -> None:
+    def started(self, run: Run) -> None:
         if run.env.platform == "cuda":
             import torch
 
             # Peak memory per run, not per process: the previous test's peak must not count here.
             torch.cuda.reset_peak_memory_stats(run.env.device)
 
-    def on_result(self, run: TrainingRun, result: TrainResult) -> None:
+    def on_result(self, run: Run, result: TrainResult) -> None:
         record_result(self.item, run, result)
 
-    def on_checkpoint(self, run: TrainingRun, figures: dict[str, float]) -> None:
+    def on_checkpoint(self, run: Run, figures: dict[str, float]) -> None:
         record_checkpoint(self.item, **figures)
 
 
@@ -89,7 +89,7 @@ def peak_memory_bytes(platform: str) -> tuple[int, str]:
 
 
 def reduce_across_ranks(
-    run: TrainingRun, result: TrainResult
+    run: Run, result: TrainResult
 ) -> tuple[list[float], int, str, list[int], list[float]]:
     """Collective (every rank calls it): per-step times, peak memory, per-step memory in use and
     per-step gradient zeros, max over all ranks.
@@ -121,7 +121,7 @@ def reduce_across_ranks(
 
 def make_record(
     nodeid: str,
-    run: TrainingRun,
+    run: Run,
     result: TrainResult,
     *,
     step_times_s: list[float] | None = None,
@@ -163,7 +163,7 @@ def make_record(
     )
 
 
-def record_result(item: pytest.Item, run: TrainingRun, result: TrainResult) -> RunRecord:
+def record_result(item: pytest.Item, run: Run, result: TrainResult) -> RunRecord:
     """Every rank calls this after ``run.train()`` returned (it reduces); each keeps the record.
 
     After the reductions the figures are the same on every rank, so every rank's item gets the
