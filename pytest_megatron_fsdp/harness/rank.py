@@ -33,6 +33,7 @@ from _pytest.runner import runtestprotocol
 
 from . import flight_recorder, protocol, warnings_relay
 from .agreement import merge_reports, summarise
+from .held_terminal import HELD_TERMINAL
 from .protocol import (
     BATCH_FILE_DEST,
     REPORT_FILE_DEST,
@@ -143,8 +144,15 @@ class RankPlugin:
         old = config.pluginmanager.get_plugin("terminalreporter")
         if old is None:
             return
-        config.pluginmanager.unregister(old)
-        config.pluginmanager.register(TerminalReporter(config, self.log), "terminalreporter")
+        held = config.stash.get(HELD_TERMINAL, None)
+        if held is not None and held.held:
+            # a session that turned out to use the plugin: what its reporter wrote so far, and the
+            # rest, go to the log (its reporter keeps its state: collection counts, errors)
+            held.divert(self.log)
+            old._tw.hasmarkup = False
+        else:
+            config.pluginmanager.unregister(old)
+            config.pluginmanager.register(TerminalReporter(config, self.log), "terminalreporter")
         if config.getoption("capture") == "no":
             # Nothing captures this rank's output, so point its stdout/stderr at the log too.
             sys.stdout.flush()

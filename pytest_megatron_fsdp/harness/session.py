@@ -41,6 +41,8 @@ class TorchrunEnv:
     master_port: int | None = None
     #: torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does
     agent_store: bool = False
+    #: who started the ranks when torchrun did not (an srun step: see :mod:`.slurm`), for messages
+    launched_by: str = ""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> TorchrunEnv | None:
@@ -59,6 +61,10 @@ class TorchrunEnv:
         )
 
 
+class RendezvousError(pytest.UsageError):
+    """The ranks did not all reach the rendezvous store in time (one line, no traceback)."""
+
+
 def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     """The c10d store torchrun's env:// rendezvous would use, kept so the harness can use it too.
 
@@ -68,14 +74,22 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
 
     if torchrun.master_port is None:
         raise RuntimeError("MASTER_PORT is not set: start the ranks with torchrun")
-    return dist.TCPStore(
-        host_name=torchrun.master_addr,
-        port=torchrun.master_port,
-        world_size=torchrun.world_size,
-        is_master=torchrun.rank == 0 and not torchrun.agent_store,
-        timeout=timeout,
-        multi_tenant=True,
-    )
+    try:
+        return dist.TCPStore(
+            host_name=torchrun.master_addr,
+            port=torchrun.master_port,
+            world_size=torchrun.world_size,
+            is_master=torchrun.rank == 0 and not torchrun.agent_store,
+            timeout=timeout,
+            multi_tenant=True,
+        )
+    except (RuntimeError, OSError) as exc:  # torch's DistStoreError / DistNetworkError among them
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise RendezvousError(
+            f"megatron-fsdp: rank {torchrun.rank} of {torchrun.world_size} could not meet the other ranks "
+            f"at {torchrun.master_addr}:{torchrun.master_port} within {timeout.total_seconds():g} s "
+            f"(--mfsdp-pg-timeout): {first}" + (f"; {torchrun.launched_by}" if torchrun.launched_by else "")
+        ) from None
 
 
 def forget_dtensor_shardings() -> None:
