@@ -35,7 +35,6 @@ import enum
 import os
 import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ import pytest
 
 from . import cpu_mode, marker, options
 from .fsdp import versions
-from .harness import protocol, slurm
+from .harness import owned_temp, protocol, slurm
 from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .harness.gpu_slices import GpuSliceError
 from .harness.held_terminal import HELD_TERMINAL, HeldOutput
@@ -352,6 +351,8 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         private = config.stash.get(_RANK_TEMP, None)
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
+            # and those of ranks that could not remove theirs (killed), here and in the shared root
+            owned_temp.sweep([None, config.stash[options.OPTION_VALUES].get("shared-dir")])
         if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
             cpu_mode.disable()
 
@@ -428,7 +429,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
         every run. Set before any conftest or test module imports megatron; a cache dir the user
         chose (``TORCHINDUCTOR_CACHE_DIR``) is kept as it is.
         """
-        private = Path(tempfile.mkdtemp(prefix=f"mfsdp-rank{torchrun.rank}-"))
+        private = Path(owned_temp.make(f"mfsdp-rank{torchrun.rank}-"))
         config.stash[_RANK_TEMP] = private
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(private / "torchinductor"))
 
