@@ -34,6 +34,7 @@ import dataclasses
 import enum
 import os
 import shutil
+import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -473,6 +474,31 @@ class TorchrunRankPlugin(_RankRolePlugin):
         if hasattr(config, "workerinput") or self.torchrun.rank != 0:
             return  # other ranks must not overwrite rank 0's report
         _show_summary(terminalreporter, config, "torchrun")
+
+    def registered(self) -> None:
+        self._restore_sigterm: Callable[[], None] | None = None
+        if self.torchrun.launched_by and threading.current_thread() is threading.main_thread():
+            # srun ends a step (scancel, the time limit, a task that failed under --kill-on-bad-exit)
+            # with SIGTERM, then SIGKILL after KillWait: SIGTERM ends the session as Ctrl-C does, so
+            # that the rank's temp dirs and the session's shared dir go with it
+            self._restore_sigterm = _interrupt_on(signal.SIGTERM)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        super().pytest_unconfigure(config)
+        if getattr(self, "_restore_sigterm", None) is not None:
+            self._restore_sigterm()
+
+
+def _interrupt_on(signum: int) -> Callable[[], None]:
+    """``signum`` raises KeyboardInterrupt (a second one ends the process at once); returns the
+    function that puts the previous handler back."""
+
+    def handle(received: int, frame: Any) -> None:
+        signal.signal(received, signal.SIG_DFL)  # a second one is not caught
+        raise KeyboardInterrupt(f"signal {signal.Signals(received).name}")
+
+    previous = signal.signal(signum, handle)
+    return lambda: signal.signal(signum, previous)
 
 
 class AwaitingUse(RolePlugin):
