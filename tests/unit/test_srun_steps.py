@@ -77,7 +77,7 @@ def _sim(
 
 
 def _pytest(*args: str) -> list[str]:
-    return ["--", sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", *args]
+    return ["--", sys.executable, "-m", "pytest", "-rA", *args]  # rank logs in .pytest_cache
 
 
 def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes):
