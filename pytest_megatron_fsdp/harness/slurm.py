@@ -258,7 +258,7 @@ def rendezvous_hint(step: SlurmStep | None) -> str:
     if step is None:
         return ""
     return (
-        f"; this is {step.describe()}: every one of the step's {step.world_size} tasks must run pytest "
-        "with the same arguments (a batch script that runs pytest itself, once, is no srun step: "
-        "run it with srun, or without SLURM_STEP_NUM_TASKS)"
+        f"this is {step.describe()}: every one of the step's {step.world_size} tasks must run pytest "
+        "with the same arguments (to run pytest once, as a plain session that launches its own rank "
+        "sets, start it without srun or with srun --ntasks=1)"
     )
