@@ -453,6 +453,8 @@ class RankSession:
         import torch.distributed as dist
 
         rank, world = self.env.rank, self.env.world_size
+        if self.heartbeat is not None:
+            self.heartbeat.close()  # first: rank 0's store may go as soon as every rank is closing
         try:
             self.store.set(f"closing/{rank}", "1")
             # nobody removes the shared dir while another rank may still use it
@@ -460,8 +462,6 @@ class RankSession:
                 self.store.wait([f"closing/{r}" for r in range(world)], datetime.timedelta(seconds=30))
         except Exception:  # noqa: BLE001 - a rank that is gone has nothing left to wait for
             pass
-        if self.heartbeat is not None:
-            self.heartbeat.close()
         self._release_dependents()
         if dist.is_initialized():
             dist.destroy_process_group()
