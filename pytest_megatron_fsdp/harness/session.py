@@ -405,20 +405,18 @@ class RankSession:
         while True:
             remaining = until - time.monotonic()
             try:
-                try:
-                    self.store.wait(keys, datetime.timedelta(seconds=max(min(remaining, 2.0), 0.1)))
-                    return
-                except dist.DistStoreError:
-                    if remaining <= 0:
-                        raise
+                self.store.wait(keys, datetime.timedelta(seconds=max(min(remaining, 2.0), 0.1)))
+                return
+            except dist.DistNetworkError as exc:
+                raise self._store_gone(what, exc) from None
+            except dist.DistStoreError:
+                if remaining <= 0:
+                    raise  # the caller's timeout, as without heartbeats
+            try:
                 missing = [int(key.rsplit("/", 1)[-1]) for key in keys if not self.store.check([key])]
                 silent = self._silent(missing)
-            except dist.DistNetworkError as exc:
-                self.peers_gone = True
-                raise PeersGone(
-                    f"the rendezvous store (hosted by rank 0) is gone while this rank waited for {what}: "
-                    f"rank 0 ended ({_first_line(exc)})"
-                ) from None
+            except (dist.DistError, RuntimeError) as exc:
+                raise self._store_gone(what, exc) from None
             if silent:
                 self.peers_gone = True
                 names = ", ".join(map(str, silent))
@@ -427,6 +425,13 @@ class RankSession:
                     f"{PEER_SILENCE_S:g} s while this rank waited for {what} (killed, out of memory, "
                     "or its node lost?)"
                 )
+
+    def _store_gone(self, what: str, exc: BaseException) -> PeersGone:
+        self.peers_gone = True
+        return PeersGone(
+            f"the rendezvous store (hosted by rank 0) is gone while this rank waited for {what}: "
+            f"rank 0 ended ({_first_line(exc)})"
+        )
 
     def _silent(self, ranks: list[int]) -> list[int]:
         now = time.monotonic()
