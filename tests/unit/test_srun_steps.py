@@ -177,3 +177,27 @@ def test_a_task_that_never_runs_pytest_is_one_line_not_a_hang(pytester, isolated
     assert "srun task 0 of 2" in errors[0] and "every one of the step's 2 tasks must run pytest" in errors[0]
     assert os.listdir(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
+
+
+def test_a_step_that_never_uses_the_plugin_runs_each_task_as_without_it(pytester, isolated_tmp):
+    """``srun -n2 pytest`` on a suite without distributed tests: two independent sessions, each
+    printing its own report (inert until asked), no rendezvous, nothing in $TMPDIR."""
+    pytester.makepyfile(
+        test_plain="""
+import os, signal
+
+def test_task():
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert "RANK" not in os.environ  # nothing exported for a session that does not use the plugin
+    print(f"TASK {os.environ['SLURM_PROCID']} RAN", flush=True)
+"""
+    )
+    done = _sim(pytester.path, "--ntasks-per-node=2", *_pytest("-s", "-p", "no:cacheprovider"), job=4242)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    lines = out.splitlines()
+    assert any(line.startswith("0: ") and "TASK 0 RAN" in line for line in lines), out
+    assert any(line.startswith("1: ") and "TASK 1 RAN" in line for line in lines), out
+    assert [line[:3] for line in lines if "1 passed" in line] == ["0: ", "1: "], out
+    assert "megatron-fsdp:" not in out
+    assert os.listdir(isolated_tmp) == []
