@@ -268,6 +268,9 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
             try:
                 cpu_mode.enable()
             except cpu_mode.EmulationTooLate as exc:
+                private = config.stash.get(_RANK_TEMP, None)
+                if private is not None:  # no unconfigure will remove it: the rank ends here
+                    shutil.rmtree(private, ignore_errors=True)
                 raise pytest.UsageError(f"megatron-fsdp: {exc}{cls._too_late_hint(config)}") from None
         config.stash[PLATFORM] = choice
 
