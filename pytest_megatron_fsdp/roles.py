@@ -356,7 +356,7 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
             # and those of ranks that could not remove theirs (killed), here and in the shared root
-            owned_temp.sweep([None, config.stash[options.OPTION_VALUES].get("shared-dir")])
+            owned_temp.sweep([None, self._shared_root(config)])
         if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
             cpu_mode.disable()
 
