@@ -31,11 +31,19 @@ MEGATRON_FSDP_LOGGERS = (
 )
 
 
+class EmulationTooLate(RuntimeError):
+    """megatron was imported before the emulation could start (see ``cuda_emulation.enable``)."""
+
+
 def enable() -> None:
-    """The emulation on (imports torch), the emulation's log line filtered out."""
+    """The emulation on (imports torch), the emulation's log line filtered out. Raises
+    :class:`EmulationTooLate` where megatron was imported first."""
     from .harness import cuda_emulation
 
-    cuda_emulation.enable()
+    try:
+        cuda_emulation.enable()
+    except cuda_emulation.EmulationOrderError as exc:
+        raise EmulationTooLate(str(exc)) from None
     for name in MEGATRON_FSDP_LOGGERS:
         logging.getLogger(name).addFilter(EMULATED_DEVICE_WARNING)
 

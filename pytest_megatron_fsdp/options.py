@@ -319,6 +319,23 @@ def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:
     return option.default
 
 
+def given(config: pytest.Config) -> list[str]:
+    """Where the user gave any of the plugin's options (flag, environment variable, ini key): a
+    session with none, and no test that uses the plugin, is left as it would be without it."""
+    found = []
+    for option in OPTIONS.values():
+        cli = getattr(config.option, option.dest, None)
+        if cli is None:
+            cli = getattr(config.known_args_namespace, option.dest, None)
+        if cli not in (None, []):
+            found.append(option.flag)
+        if os.environ.get(option.env):
+            found.append(f"environment variable {option.env}")
+        if config.getini(option.ini):
+            found.append(f"ini option {option.ini}")
+    return found
+
+
 def _resolve_multiple(config: pytest.Config, option: Option, marker_value: Any) -> tuple[Any, ...]:
     """A repeatable option: the highest-precedence source that gives any value gives all of them."""
     if marker_value is not None:

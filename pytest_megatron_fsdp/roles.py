@@ -9,18 +9,33 @@
   (:class:`TorchrunRankPlugin`): it runs its tests with the other ranks and, on rank 0, reports
   them to the terminal.
 
-:func:`decide` is the only place that reads the torchrun environment and the launched-by-parent
-flag (``tests/unit/test_layering.py`` holds that). The entry module (:mod:`.plugin`) decides the
-role before any conftest is loaded, asks the role's class to prepare the process (a CPU rank's
-CUDA emulation, a rank's temp dirs), and registers the role's one plugin object at configure.
+:func:`decide` is the only place that reads the torchrun environment, an srun step's Slurm
+variables (mapped to torchrun's by :mod:`.harness.slurm`: every task of a multi-task srun step is a
+torchrun-mode rank) and the launched-by-parent flag (``tests/unit/test_layering.py`` holds that).
+The entry module (:mod:`.plugin`) decides the role before any conftest is loaded, asks the role's
+class to prepare the process (a CPU rank's CUDA emulation, a rank's temp dirs), and registers the
+role's one plugin object at configure.
+
+Inert until asked: a session that never uses the plugin behaves as without it. The plugin is
+*asked* by any of its options (a ``--mfsdp-*`` flag, an ``MFSDP_*`` environment variable, an
+``mfsdp_*`` ini key), or by a collected test that carries ``@pytest.mark.distributed`` or
+``@pytest.mark.mfsdp_config`` or uses one of its fixtures (all of which build on ``dist_env``);
+a launched rank is asked by its parent. Until then: no signal handlers (the parent installs its
+SIGTERM/SIGINT handlers with its first rank set), and in a torchrun-mode rank no CUDA emulation, no
+environment variables set, no temp tree, basetemp or JUnit path changed, no log file or fault
+handler, no logging filters, and a rank other than 0 holds its terminal report until collection
+shows whether the session is asked (:mod:`.harness.held_terminal`): released to the terminal when
+it is not, to the rank's log when it is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import shutil
-import tempfile
+import signal
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,9 +46,10 @@ import pytest
 
 from . import cpu_mode, marker, options
 from .fsdp import versions
-from .harness import protocol
+from .harness import owned_temp, protocol, slurm
 from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .harness.gpu_slices import GpuSliceError
+from .harness.held_terminal import HELD_TERMINAL, HeldOutput
 from .harness.platform import PlatformChoice, select_platform
 from .harness.rank import RankPlugin
 from .harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
@@ -52,6 +68,8 @@ class ProcessRole:
 
     role: Role
     torchrun: TorchrunEnv | None
+    #: the srun step this process is a task of, where srun (not torchrun) started the ranks
+    srun: slurm.SlurmStep | None = None
 
     @property
     def plugin_class(self) -> type[RolePlugin]:
@@ -66,13 +84,32 @@ PLATFORM = pytest.StashKey[PlatformChoice]()
 
 def decide(config: pytest.Config, environ: Mapping[str, str] | None = None) -> ProcessRole:
     """Which role this process plays: torchrun's variables make it a rank, the parent's internal
-    options a launched one."""
-    torchrun = TorchrunEnv.from_environ(None if environ is None else dict(environ))
+    options a launched one; a task of a multi-task srun step is a torchrun-mode rank, its Slurm
+    variables read as torchrun's (:func:`.harness.slurm.step_of`)."""
+    environ = dict(os.environ if environ is None else environ)
+    try:
+        step = slurm.step_of(environ)
+    except slurm.SlurmError as exc:
+        raise pytest.UsageError(f"megatron-fsdp: an srun task's Slurm variables: {exc}") from None
+    if step is not None:
+        environ.update(step.torchrun_variables())
+    torchrun = TorchrunEnv.from_environ(environ)
     if torchrun is None:
         return ProcessRole(Role.PARENT, None)
+    if step is not None:
+        torchrun = dataclasses.replace(torchrun, launched_by=slurm.rendezvous_hint(step))
+        return ProcessRole(Role.TORCHRUN_RANK, torchrun, step)
     if protocol.launched_by_parent(config):
         return ProcessRole(Role.LAUNCHED_RANK, torchrun)
     return ProcessRole(Role.TORCHRUN_RANK, torchrun)
+
+
+def asks_for_plugin(item: pytest.Item) -> bool:
+    """Whether a collected test uses the plugin: its markers, or a fixture of it (every one
+    builds on ``dist_env``)."""
+    if item.get_closest_marker(protocol.MARKER) is not None or item.get_closest_marker("mfsdp_config"):
+        return True
+    return "dist_env" in getattr(item, "fixturenames", ())
 
 
 def role_of(config: pytest.Config) -> ProcessRole:
@@ -138,8 +175,13 @@ class ParentPlugin(Controller, RolePlugin):
 
     def registered(self) -> None:
         self._restore_signals: Callable[[], None] | None = None
-        if threading.current_thread() is threading.main_thread():
+
+    def _launch(self, world_size: int) -> Any:
+        # Inert until asked: SIGTERM/SIGINT handlers only once a rank set exists to clean up after.
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        if getattr(self, "_restore_signals", None) is None and in_main_thread:
             self._restore_signals = install_signal_handlers(self)
+        return super()._launch(world_size)
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         # The first distributed test collected starts its rank set, whose ranks import torch while
@@ -225,8 +267,18 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
             # before any conftest or test module can create a process group or read the setting
             check_collectives(os.environ)
         if choice.platform == "cpu":
-            cpu_mode.enable()
+            try:
+                cpu_mode.enable()
+            except cpu_mode.EmulationTooLate as exc:
+                private = config.stash.get(_RANK_TEMP, None)
+                if private is not None:  # no unconfigure will remove it: the rank ends here
+                    shutil.rmtree(private, ignore_errors=True)
+                raise pytest.UsageError(f"megatron-fsdp: {exc}{cls._too_late_hint(config)}") from None
         config.stash[PLATFORM] = choice
+
+    @classmethod
+    def _too_late_hint(cls, config: pytest.Config) -> str:
+        return ""
 
     @classmethod
     def _prepare_temp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
@@ -307,6 +359,8 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         private = config.stash.get(_RANK_TEMP, None)
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
+            # and those of ranks that could not remove theirs (killed), here and in the shared root
+            owned_temp.sweep([None, self._shared_root(config)])
         if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
             cpu_mode.disable()
 
@@ -336,10 +390,43 @@ class LaunchedRankPlugin(_RankRolePlugin):
         return str(protocol.batch_dir(config)) if given is None else given
 
 
+#: a torchrun-mode rank whose session has not asked for the plugin yet (see AwaitingUse)
+_AWAITING = pytest.StashKey[bool]()
+
+
 class TorchrunRankPlugin(_RankRolePlugin):
-    """A rank of a torchrun session the user started; rank 0 reports to the terminal."""
+    """A rank of a torchrun session the user started (or of an srun step); rank 0 reports to the
+    terminal. Inert until asked: where no option of the plugin is given, it starts only when a test
+    that uses it is collected (:class:`AwaitingUse`)."""
 
     LAUNCHED = False
+
+    @classmethod
+    def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:
+        if not config.stash.get(_AWAITING, False) and not options.given(config):
+            config.stash[_AWAITING] = True
+            return
+        if role.srun is not None:
+            # what torchrun would have set: tests and libraries that read them see an srun rank alike
+            for name, value in role.srun.torchrun_variables().items():
+                os.environ.setdefault(name, value)
+        super().prepare(config, role)
+
+    @classmethod
+    def _too_late_hint(cls, config: pytest.Config) -> str:
+        if not config.stash.get(_AWAITING, False):
+            return ""
+        return (
+            " In a torchrun session without megatron-fsdp options the emulation starts with the first "
+            "distributed test collected: import megatron inside the tests, or give an option (e.g. "
+            "--mfsdp-platform=cpu) so that it starts before any conftest or test module is imported."
+        )
+
+    @classmethod
+    def before_configure(cls, config: pytest.Config, role: ProcessRole) -> None:
+        if config.stash.get(_AWAITING, False):
+            return
+        super().before_configure(config, role)
 
     @classmethod
     def _prepare_temp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
@@ -350,7 +437,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
         every run. Set before any conftest or test module imports megatron; a cache dir the user
         chose (``TORCHINDUCTOR_CACHE_DIR``) is kept as it is.
         """
-        private = Path(tempfile.mkdtemp(prefix=f"mfsdp-rank{torchrun.rank}-"))
+        private = Path(owned_temp.make(f"mfsdp-rank{torchrun.rank}-"))
         config.stash[_RANK_TEMP] = private
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(private / "torchinductor"))
 
@@ -367,16 +454,129 @@ class TorchrunRankPlugin(_RankRolePlugin):
             config.option.basetemp = str(config.stash[_RANK_TEMP] / "basetemp")
 
     @classmethod
-    def create(
-        cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions
-    ) -> _RankRolePlugin:
+    def create(cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions) -> RolePlugin:
+        if config.stash.get(_AWAITING, False):
+            return AwaitingUse(config, role)
         options.refuse_plain_mode_only(config)
         return super().create(config, role, values)
+
+    @classmethod
+    def start_late(cls, config: pytest.Config, role: ProcessRole, session: pytest.Session) -> None:
+        """A session asked for the plugin by a collected test: do now what an early start does
+        before the conftests are loaded and at configure (see :class:`AwaitingUse`)."""
+        assert role.torchrun is not None
+        cls.prepare(config, role)
+        if role.torchrun.rank != 0:
+            _stop_junit_xml(config)  # rank 0's file carries every rank's outcome
+        basetemp = config.option.basetemp
+        cls._set_basetemp(config, role.torchrun)
+        if config.option.basetemp != basetemp:
+            _renew_tmp_path_factory(config)
+        plugin = super().create(config, role, options.resolved(config))
+        config.pluginmanager.register(plugin, plugin.NAME)  # its pytest_configure runs now
+        plugin.registered()
+        plugin.pytest_sessionstart(session)
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
         if hasattr(config, "workerinput") or self.torchrun.rank != 0:
             return  # other ranks must not overwrite rank 0's report
         _show_summary(terminalreporter, config, "torchrun")
+
+    def registered(self) -> None:
+        self._restore_sigterm: Callable[[], None] | None = None
+        if self.torchrun.launched_by and threading.current_thread() is threading.main_thread():
+            # srun ends a step (scancel, the time limit, a task that failed under --kill-on-bad-exit)
+            # with SIGTERM, then SIGKILL after KillWait: SIGTERM ends the session as Ctrl-C does, so
+            # that the rank's temp dirs and the session's shared dir go with it
+            self._restore_sigterm = _interrupt_on(signal.SIGTERM)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        super().pytest_unconfigure(config)
+        if getattr(self, "_restore_sigterm", None) is not None:
+            self._restore_sigterm()
+
+
+def _interrupt_on(signum: int) -> Callable[[], None]:
+    """``signum`` raises KeyboardInterrupt (a second one ends the process at once); returns the
+    function that puts the previous handler back."""
+
+    def handle(received: int, frame: Any) -> None:
+        signal.signal(received, signal.SIG_DFL)  # a second one is not caught
+        raise KeyboardInterrupt(f"signal {signal.Signals(received).name}")
+
+    previous = signal.signal(signum, handle)
+    return lambda: signal.signal(signum, previous)
+
+
+class AwaitingUse(RolePlugin):
+    """A torchrun-mode rank's plugin until its session asks for megatron-fsdp (no option given).
+
+    It watches the tests being collected; the first that uses the plugin starts the rank's plugin
+    (:meth:`TorchrunRankPlugin.start_late`). A rank other than 0 holds its terminal output until
+    then, or until collection ends without one, when everything held goes to the terminal as it
+    would without the plugin.
+    """
+
+    NAME = "mfsdp-awaiting-use"
+
+    def __init__(self, config: pytest.Config, role: ProcessRole) -> None:
+        self.config = config
+        self.role = role
+        self.started = False
+
+    def registered(self) -> None:
+        assert self.role.torchrun is not None
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None or self.role.torchrun.rank == 0:
+            return
+        from _pytest.terminal import TerminalReporter
+
+        held = self.config.stash[HELD_TERMINAL] = HeldOutput(sys.stdout)
+        self.config.pluginmanager.unregister(reporter)
+        self.config.pluginmanager.register(TerminalReporter(self.config, held), "terminalreporter")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        if self.started or not asks_for_plugin(item):
+            return
+        self.started = True
+        TorchrunRankPlugin.start_late(self.config, self.role, item.session)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self._release()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self._release()  # a session that ended before collection did (a collection error, -x)
+
+    def _release(self) -> None:
+        held = self.config.stash.get(HELD_TERMINAL, None)
+        if held is not None and held.held:
+            held.release()
+
+
+def _stop_junit_xml(config: pytest.Config) -> None:
+    """No JUnit file from this rank, though ``--junitxml`` was given (pytest's plugin for it is
+    already configured: it is unregistered before it writes)."""
+    config.option.xmlpath = None
+    try:
+        from _pytest.junitxml import xml_key
+    except ImportError:  # a pytest that moved it: every rank writes, as without the plugin
+        return
+    xml = config.stash.get(xml_key, None)
+    if xml is not None:
+        del config.stash[xml_key]
+        config.pluginmanager.unregister(xml)
+
+
+def _renew_tmp_path_factory(config: pytest.Config) -> None:
+    """pytest read ``--basetemp`` at configure; a factory nobody used yet is made again from it."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or getattr(factory, "_basetemp", None) is not None:
+        return
+    from _pytest.tmpdir import TempPathFactory
+
+    config._tmp_path_factory = TempPathFactory.from_config(config, _ispytest=True)  # type: ignore[attr-defined]
 
 
 _PLUGINS: dict[Role, type[RolePlugin]] = {

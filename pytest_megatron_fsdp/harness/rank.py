@@ -33,6 +33,7 @@ from _pytest.runner import runtestprotocol
 
 from . import flight_recorder, protocol, warnings_relay
 from .agreement import merge_reports, summarise
+from .held_terminal import HELD_TERMINAL
 from .protocol import (
     BATCH_FILE_DEST,
     REPORT_FILE_DEST,
@@ -42,7 +43,7 @@ from .protocol import (
     read_batch,
     spec_of,
 )
-from .session import RANK_SESSION, RankSession, TorchrunEnv, forget_dtensor_shardings
+from .session import RANK_SESSION, PeersGone, RankSession, TorchrunEnv, forget_dtensor_shardings
 
 #: How long a rank whose test timed out waits for the peers' flight records and stacks before it
 #: exits (a peer whose thread cannot get the GIL is dumped by faulthandler's C watchdog instead).
@@ -144,12 +145,20 @@ class RankPlugin:
         old = config.pluginmanager.get_plugin("terminalreporter")
         if old is None:
             return
-        config.pluginmanager.unregister(old)
-        config.pluginmanager.register(TerminalReporter(config, self.log), "terminalreporter")
+        held = config.stash.get(HELD_TERMINAL, None)
+        if held is not None and held.held:
+            # a session that turned out to use the plugin: what its reporter wrote so far, and the
+            # rest, go to the log (its reporter keeps its state: collection counts, errors)
+            held.divert(self.log)
+            old._tw.hasmarkup = False
+        else:
+            config.pluginmanager.unregister(old)
+            config.pluginmanager.register(TerminalReporter(config, self.log), "terminalreporter")
         if config.getoption("capture") == "no":
             # Nothing captures this rank's output, so point its stdout/stderr at the log too.
             sys.stdout.flush()
             sys.stderr.flush()
+            self._terminal_fd = os.dup(2)  # for the one line that must reach the user (_tell_terminal)
             os.dup2(self.log.fileno(), 1)
             os.dup2(self.log.fileno(), 2)
 
@@ -226,9 +235,12 @@ class RankPlugin:
             with warnings_relay.capture() if self._relay_warnings else nullcontext([]) as caught:
                 reports = runtestprotocol(item, nextitem=nextitem, log=False)
                 self._check_after_test(item, reports, rank_session)
-            merged = self._exchange_outcomes(
-                item, index, reports, rank_session, deadline, warnings_relay.to_data(caught)
-            )
+            try:
+                merged = self._exchange_outcomes(
+                    item, index, reports, rank_session, deadline, warnings_relay.to_data(caught)
+                )
+            except PeersGone as exc:
+                merged = self._alone(item, reports, str(exc))
         if self._test_warnings:
             self._event(protocol.Warnings(nodeid=item.nodeid, warnings=self._test_warnings))
         for report in merged:
@@ -238,6 +250,22 @@ class RankPlugin:
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         self._event(protocol.Finished(nodeid=item.nodeid))
         return True
+
+    def _alone(
+        self, item: pytest.Item, reports: list[pytest.TestReport], why: str
+    ) -> list[pytest.TestReport]:
+        """The test's reports when the peers are gone: it fails with ``why`` (this rank's own failure,
+        if any, follows), and the session stops after it: no later test can have every rank."""
+        message = f"megatron-fsdp: {why}; the session stops (every later test needs all ranks)"
+        self._log(f"{item.nodeid}: {message}")
+        if self.rank != 0:
+            self._tell_terminal(f"{message} (rank {self.rank}, test {item.nodeid})")
+        failed = next((r for r in reports if r.when == "call"), None) or reports[-1]
+        own = failed.longreprtext if failed.failed else ""
+        failed.outcome = "failed"
+        failed.longrepr = message + (f"\n\nthis rank's own failure (rank {self.rank}):\n{own}" if own else "")
+        item.session.shouldstop = message
+        return reports
 
     def _check_after_test(
         self, item: pytest.Item, reports: list[pytest.TestReport], rank_session: RankSession
@@ -362,6 +390,16 @@ class RankPlugin:
             done.set()
             faulthandler.cancel_dump_traceback_later()
 
+    def _tell_terminal(self, line: str) -> None:
+        """One line to the terminal from a rank whose report goes to its log."""
+        fd = getattr(self, "_terminal_fd", None)
+        if fd is not None:
+            os.write(fd, (line + "\n").encode())
+            return
+        self._release_terminal()
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
     def _release_terminal(self) -> None:
         """Stop pytest's capture (this process ends without a report), so what the watchdog writes
         to stderr reaches the terminal, or torchrun's output, instead of the test's captured output."""
@@ -436,8 +474,13 @@ class RankPlugin:
             ),
         )
         keys = [f"test/{index}/{r}" for r in range(self.torchrun.world_size)]
-        # Bounded by the test's own deadline; past it the watchdog ends this rank anyway.
-        store.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5))
+        # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an srun
+        # step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
+        rank_session.wait_for_peers(
+            keys,
+            datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5),
+            f"the outcome of {item.nodeid}",
+        )
         per_rank: dict[int, dict[str, Any]] = {}
         per_rank_warnings: dict[int, list[dict[str, Any]]] = {}
         renew = False

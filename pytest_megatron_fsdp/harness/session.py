@@ -12,7 +12,8 @@ import functools
 import inspect
 import os
 import shutil
-import tempfile
+import threading
+import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from ..environment import DistEnv
-from . import flight_recorder
+from . import flight_recorder, owned_temp
 from .platform import PlatformChoice
 
 #: this rank's session (None until a collected test needs one, and after it closed)
@@ -41,6 +42,8 @@ class TorchrunEnv:
     master_port: int | None = None
     #: torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does
     agent_store: bool = False
+    #: who started the ranks when torchrun did not (an srun step: see :mod:`.slurm`), for messages
+    launched_by: str = ""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> TorchrunEnv | None:
@@ -59,6 +62,67 @@ class TorchrunEnv:
         )
 
 
+class RendezvousError(pytest.UsageError):
+    """The ranks did not all reach the rendezvous store in time (one line, no traceback)."""
+
+
+#: seconds between two signs of life of a rank that nothing else watches (see Heartbeat)
+HEARTBEAT_INTERVAL_S = 1.0
+#: seconds without a sign of life after which a peer that owes an outcome counts as gone
+PEER_SILENCE_S = 20.0
+
+
+class PeersGone(Exception):
+    """Peers that this rank waits for are gone (killed, their node lost): the session cannot go on."""
+
+
+class Heartbeat:
+    """A rank's sign of life in the rendezvous store, for ranks that nothing else watches.
+
+    torchrun's agent and the plain-mode parent end a rank set when one of its ranks dies; srun waits
+    for the rest of its tasks. A rank of an srun step that waits for a peer's outcome therefore
+    asks the store whether the peer is still alive: every rank counts up ``alive/<rank>`` once a
+    second from a thread, through a store connection of its own (a wait on the main connection
+    holds it for as long as it waits).
+    """
+
+    def __init__(self, torchrun: TorchrunEnv, timeout: datetime.timedelta) -> None:
+        import torch.distributed as dist
+
+        client = dist.TCPStore(
+            host_name=torchrun.master_addr,
+            port=torchrun.master_port,
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+        self._store = dist.PrefixStore("mfsdp-alive", client)
+        self._key = str(torchrun.rank)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="mfsdp-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        count = 0
+        while True:
+            count += 1
+            try:
+                self._store.set(self._key, str(count))
+            except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing to tell
+                return
+            if self._stop.wait(HEARTBEAT_INTERVAL_S):
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
 def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     """The c10d store torchrun's env:// rendezvous would use, kept so the harness can use it too.
 
@@ -68,14 +132,22 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
 
     if torchrun.master_port is None:
         raise RuntimeError("MASTER_PORT is not set: start the ranks with torchrun")
-    return dist.TCPStore(
-        host_name=torchrun.master_addr,
-        port=torchrun.master_port,
-        world_size=torchrun.world_size,
-        is_master=torchrun.rank == 0 and not torchrun.agent_store,
-        timeout=timeout,
-        multi_tenant=True,
-    )
+    try:
+        return dist.TCPStore(
+            host_name=torchrun.master_addr,
+            port=torchrun.master_port,
+            world_size=torchrun.world_size,
+            is_master=torchrun.rank == 0 and not torchrun.agent_store,
+            timeout=timeout,
+            multi_tenant=True,
+        )
+    except (RuntimeError, OSError) as exc:  # torch's DistStoreError / DistNetworkError among them
+        first = _first_line(exc)
+        raise RendezvousError(
+            f"megatron-fsdp: rank {torchrun.rank} of {torchrun.world_size} could not meet the other ranks "
+            f"at {torchrun.master_addr}:{torchrun.master_port} within {timeout.total_seconds():g} s "
+            f"(--mfsdp-pg-timeout): {first}" + (f"; {torchrun.launched_by}" if torchrun.launched_by else "")
+        ) from None
 
 
 def forget_dtensor_shardings() -> None:
@@ -182,6 +254,12 @@ class RankSession:
         self._after_test: list[Callable[[], str | None]] = []
         #: puts torch's group-creation helper back (see bound_group_timeouts)
         self._unbound_group_timeouts = bound_group_timeouts(pg_timeout)
+        #: this rank's sign of life, where nothing else watches the ranks (an srun step)
+        self.heartbeat: Heartbeat | None = None
+        #: the last sign of life seen of each peer, and when it was first seen (monotonic)
+        self._signs_of_life: dict[int, tuple[bytes | None, float]] = {}
+        #: set once peers are known to be gone: nobody waits for them any more
+        self.peers_gone = False
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once per registration) each time the process group is about to go.
@@ -295,7 +373,7 @@ class RankSession:
         # Rank 0 makes a private (0700) directory under `shared_root` (every node must see it on
         # multi-node runs; the system temp dir on one node) and tells the others through the store.
         if torchrun.rank == 0:
-            shared_dir = tempfile.mkdtemp(prefix="mfsdp-session-", dir=shared_root)
+            shared_dir = owned_temp.make("mfsdp-session-", dir=shared_root)
             harness_store.set("shared_dir", shared_dir)
         else:
             shared_dir = harness_store.get("shared_dir").decode()
@@ -310,7 +388,63 @@ class RankSession:
         )
         session = cls(env, choice, store, harness_store, timeout)
         session._init_process_group()
+        if torchrun.launched_by:  # srun: nobody else watches these ranks
+            session.heartbeat = Heartbeat(torchrun, timeout)
         return session
+
+    def wait_for_peers(self, keys: list[str], timeout: datetime.timedelta, what: str) -> None:
+        """``store.wait(keys, timeout)``; where this rank counts on heartbeats (an srun step), in
+        slices: a peer whose key is missing and that has given no sign of life for
+        :data:`PEER_SILENCE_S` raises :class:`PeersGone`, and so does a store that is gone."""
+        import torch.distributed as dist
+
+        if self.heartbeat is None:
+            self.store.wait(keys, timeout)
+            return
+        until = time.monotonic() + timeout.total_seconds()
+        while True:
+            remaining = until - time.monotonic()
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=max(min(remaining, 2.0), 0.1)))
+                return
+            except dist.DistNetworkError as exc:
+                raise self._store_gone(what, exc) from None
+            except dist.DistStoreError:
+                if remaining <= 0:
+                    raise  # the caller's timeout, as without heartbeats
+            try:
+                missing = [int(key.rsplit("/", 1)[-1]) for key in keys if not self.store.check([key])]
+                silent = self._silent(missing)
+            except (dist.DistError, RuntimeError) as exc:
+                raise self._store_gone(what, exc) from None
+            if silent:
+                self.peers_gone = True
+                names = ", ".join(map(str, silent))
+                raise PeersGone(
+                    f"rank{'s' if len(silent) > 1 else ''} {names} gave no sign of life for "
+                    f"{PEER_SILENCE_S:g} s while this rank waited for {what} (killed, out of memory, "
+                    "or its node lost?)"
+                )
+
+    def _store_gone(self, what: str, exc: BaseException) -> PeersGone:
+        self.peers_gone = True
+        return PeersGone(
+            f"the rendezvous store (hosted by rank 0) is gone while this rank waited for {what}: "
+            f"rank 0 ended ({_first_line(exc)})"
+        )
+
+    def _silent(self, ranks: list[int]) -> list[int]:
+        now = time.monotonic()
+        silent = []
+        for rank in ranks:
+            key = f"mfsdp-alive/{rank}"
+            value = self._rendezvous_store.get(key) if self._rendezvous_store.check([key]) else None
+            seen, since = self._signs_of_life.get(rank, (None, now))
+            if value != seen or rank not in self._signs_of_life:
+                self._signs_of_life[rank] = (value, now)
+            elif now - since > PEER_SILENCE_S:
+                silent.append(rank)
+        return silent
 
     def header(self, stack: str) -> str:
         """The session's header line; ``stack`` names the package versions under test."""
@@ -324,10 +458,13 @@ class RankSession:
         import torch.distributed as dist
 
         rank, world = self.env.rank, self.env.world_size
+        if self.heartbeat is not None:
+            self.heartbeat.close()  # first: rank 0's store may go as soon as every rank is closing
         try:
             self.store.set(f"closing/{rank}", "1")
             # nobody removes the shared dir while another rank may still use it
-            self.store.wait([f"closing/{r}" for r in range(world)], datetime.timedelta(seconds=30))
+            if not self.peers_gone:
+                self.store.wait([f"closing/{r}" for r in range(world)], datetime.timedelta(seconds=30))
         except Exception:  # noqa: BLE001 - a rank that is gone has nothing left to wait for
             pass
         self._release_dependents()

@@ -1,9 +1,11 @@
-"""Every unit test starts from a plain environment: not a torchrun rank, no MFSDP_* settings, not CI.
+"""Every unit test starts from a plain environment: not a torchrun rank or srun task, no MFSDP_*
+settings, not CI.
 
-The tests launch pytest and torchrun themselves; a torchrun variable or an MFSDP_* option
-inherited from the caller's shell would change what those sessions do, and ``CI`` or
-``BUILD_NUMBER`` (set by CI services) makes pytest print its short summary untrimmed: the
-sessions print the same on a laptop and on CI, and a test that is about CI output sets ``CI``.
+The tests launch pytest and torchrun themselves; a torchrun or Slurm variable (a CI runner that is
+a Slurm job) or an MFSDP_* option inherited from the caller's shell would change what those
+sessions do, and ``CI`` or ``BUILD_NUMBER`` (set by CI services) makes pytest print its short
+summary untrimmed: the sessions print the same on a laptop and on CI, and a test that is about CI
+output sets ``CI``.
 """
 
 import os
@@ -20,7 +22,7 @@ PYTEST_CI_VARS = ("CI", "BUILD_NUMBER")
 @pytest.fixture(autouse=True)
 def plain_environment(monkeypatch):
     for name in list(os.environ):
-        if name in TORCHRUN_VARS or name in PYTEST_CI_VARS or name.startswith("MFSDP_"):
+        if name in TORCHRUN_VARS or name in PYTEST_CI_VARS or name.startswith(("MFSDP_", "SLURM_")):
             monkeypatch.delenv(name)
 
 

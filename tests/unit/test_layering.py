@@ -7,8 +7,8 @@ imports one that imports it back. Every import counts: module-level, lazy (insid
 ``TYPE_CHECKING``-only ones.
 
 A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles.py``),
-decided once: only the role decision reads the torchrun environment or the launched-by-parent flag,
-and exactly one role plugin is registered per process.
+decided once: only the role decision reads the torchrun environment, an srun step's Slurm variables
+or the launched-by-parent flag, and exactly one role plugin is registered per process.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ TORCHRUN_VARIABLES = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-#: the functions that tell a process's role: torchrun's variables parsed, the parent's flag read
-ROLE_READERS = ("from_environ", "launched_by_parent")
+#: the functions that tell a process's role: torchrun's or Slurm's variables parsed, the parent's flag read
+ROLE_READERS = ("from_environ", "launched_by_parent", "step_of", "in_multi_task_step")
 #: the modules that may name them, and why
 ROLE_MODULES = {
     "roles": "decides the role, once",
@@ -132,11 +132,12 @@ ROLE_MODULES = {
     "harness.protocol": "defines the launched-by-parent flag",
     "harness.launcher": "names torchrun's variables to remove them from the rank sets it launches",
     "harness.rank_entry": "a launched rank's entry point: its rank, before pytest (and the role) exist",
+    "harness.slurm": "maps an srun step's Slurm variables to torchrun's (step_of, called by roles only)",
 }
 
 
 def role_problems(root: Path) -> list[str]:
-    """Modules outside ROLE_MODULES that name a torchrun variable or call a role reader."""
+    """Modules outside ROLE_MODULES that name a torchrun or Slurm variable or call a role reader."""
     allowed = {f"{root.name}.{m}" for m in ROLE_MODULES}
     problems = []
     for module, path in sorted(_modules(root).items()):
@@ -146,6 +147,8 @@ def role_problems(root: Path) -> list[str]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 if node.value in TORCHRUN_VARIABLES or node.value.startswith("TORCHELASTIC_"):
                     problems.append(f"{module} reads torchrun's {node.value}")
+                elif node.value.startswith("SLURM_"):
+                    problems.append(f"{module} reads Slurm's {node.value}")
             field = {ast.Attribute: "attr", ast.Name: "id", ast.alias: "name"}.get(type(node))
             name = getattr(node, field) if field else None
             if name in ROLE_READERS:
@@ -223,6 +226,14 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         (
             {"harness/__init__.py": "", "harness/h.py": "from .protocol import launched_by_parent\n"},
             "pkg.harness.h asks which role it plays (launched_by_parent)",
+        ),
+        (
+            {"fixtures.py": "import os\nx = os.environ['SLURM_PROCID']\n"},
+            "pkg.fixtures reads Slurm's SLURM_PROCID",
+        ),
+        (
+            {"harness/__init__.py": "", "harness/i.py": "from . import slurm\nslurm.step_of({})\n"},
+            "pkg.harness.i asks which role it plays (step_of)",
         ),
     ],
 )
