@@ -41,6 +41,9 @@ class TorchrunEnv:
     master_port: int | None = None
     #: torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); otherwise rank 0 does
     agent_store: bool = False
+    #: the torchrun run's id (TORCHELASTIC_RUN_ID; ``--standalone`` makes a new one per run), the
+    #: same on every rank
+    run_id: str = ""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> TorchrunEnv | None:
@@ -56,6 +59,7 @@ class TorchrunEnv:
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(environ["MASTER_PORT"]) if "MASTER_PORT" in environ else None,
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
         )
 
 
