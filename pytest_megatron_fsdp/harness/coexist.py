@@ -12,7 +12,7 @@ options, ini keys and markers; none of their internals) and the controller appli
   ``--only-rerun``, ``--rerun-except``, ``--rerun-exclude-path``, the delays): reruns of a
   distributed test, each attempt in a fresh rank set;
 * pytest-randomly (``--randomly-seed``): the seed every rank uses;
-* coverage (``pytest --cov``): a running measurement reaches the launched ranks.
+* pytest-cov (``pytest --cov``): its running measurement reaches the launched ranks.
 
 Plain pytest and the standard library only: nothing here imports the plugins themselves.
 """
@@ -23,7 +23,6 @@ import copy
 import hashlib
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,8 @@ from .session import TorchrunEnv
 TIMEOUT_PLUGIN = "timeout"
 RERUNFAILURES_PLUGIN = "rerunfailures"
 RANDOMLY_PLUGIN = "randomly"
+#: pytest-cov's plugin object (registered at load, measuring once configured with --cov)
+PYTEST_COV_PLUGIN = "_cov"
 
 
 #: the level a foreign setting comes from: a per-test marker, a session option (flag, env, ini), or
@@ -342,20 +343,21 @@ def agree_randomly_seed(config: pytest.Config, torchrun: TorchrunEnv) -> int | N
 # -- coverage (pytest-cov, coverage run) ----------------------------------------------------------
 
 
-def coverage_env() -> dict[str, str]:
-    """The environment that makes a launched rank set measure itself into the running measurement
-    (``pytest --cov``, ``coverage run``): coverage's own hand-over to a new Python process (its
-    ``.pth`` file starts a measurement wherever ``COVERAGE_PROCESS_CONFIG`` is set), as its
-    ``patch = ["subprocess"]`` would set it for every subprocess. Empty where nothing is measured,
-    where that patch already hands the measurement on, or on coverage < 7.10 (nothing to pass on)."""
+def coverage_env(config: pytest.Config) -> dict[str, str]:
+    """The environment that makes a launched rank set measure itself into pytest-cov's running
+    measurement (``pytest --cov``): coverage's own hand-over to a new Python process (its ``.pth``
+    file starts a measurement wherever ``COVERAGE_PROCESS_CONFIG`` is set), as its
+    ``patch = ["subprocess"]`` would set it, with one data file per process, which pytest-cov
+    combines with its own. Empty where pytest-cov measures nothing, where that patch already hands
+    the measurement on, or on coverage < 7.10 (nothing to pass on). Not for ``coverage run``, which
+    combines nothing by itself: there the project's own ``patch``/``parallel`` settings decide."""
     if os.environ.get("COVERAGE_PROCESS_CONFIG") or os.environ.get("COVERAGE_PROCESS_START"):
         return {}  # the measurement's own subprocess patch already reaches the ranks
-    coverage = sys.modules.get("coverage")
-    current = getattr(getattr(coverage, "Coverage", None), "current", None)
-    measurement = current() if callable(current) else None
-    config = getattr(measurement, "config", None)
-    if config is None or not callable(getattr(config, "serialize", None)):
+    plugin = config.pluginmanager.get_plugin(PYTEST_COV_PLUGIN)
+    measurement = getattr(getattr(plugin, "cov_controller", None), "cov", None)
+    settings = getattr(measurement, "config", None)
+    if settings is None or not callable(getattr(settings, "serialize", None)):
         return {}
-    handed = copy.copy(config)
-    handed.parallel = True  # one data file per process, combined with the parent's (data_file made absolute)
+    handed = copy.copy(settings)
+    handed.parallel = True  # one data file per process (serialize makes data_file absolute)
     return {"COVERAGE_PROCESS_CONFIG": handed.serialize()}

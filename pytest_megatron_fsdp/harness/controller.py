@@ -107,7 +107,7 @@ class Controller:
             for old in logs.parent.glob(f"{prefix}*-world*"):
                 if old != logs:
                     shutil.rmtree(old, ignore_errors=True)
-        env = coexist.coverage_env()  # `pytest --cov`: the ranks measure themselves into it
+        env = coexist.coverage_env(self.config)  # `pytest --cov`: the ranks measure themselves into it
         if self.gpu_slice is not None and self.platforms.get(world_size) == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = self.gpu_slice
         rank_set = RankSet(world_size, logs, self.config.invocation_params.dir, env)
@@ -505,8 +505,8 @@ def _declines_rerun(
     ``--max-suite-reruns`` is spent."""
     kind = failure_kind(failed)
     if spec.only_rerun and kind not in spec.only_rerun:
-        chosen = ",".join(spec.only_rerun)
-        return f"--mfsdp-only-rerun={chosen}: this failure is a {kind}, not rerun"
+        chosen = ", ".join(spec.only_rerun)
+        return f"only {chosen} is rerun (--mfsdp-only-rerun, the marker's only_rerun=); this is a {kind}"
     why = filters.declines(coexist.exception_texts(failed))
     if why is not None:
         return why

@@ -256,7 +256,7 @@ def test_a_failure_the_controller_made_is_matched_by_its_headline_and_kind():
     nothing = coexist.RerunFilters()
     assert ctl._declines_rerun(item, only_deaths, nothing, _failed("rank 1 died", "rank-death")) is None
     assert ctl._declines_rerun(item, only_deaths, nothing, _failed(RANK_FAILURE)) == (
-        "--mfsdp-only-rerun=rank-death: this failure is a failure, not rerun"
+        "only rank-death is rerun (--mfsdp-only-rerun, the marker's only_rerun=); this is a failure"
     )
     assert ctl._declines_rerun(item, DistributedSpec(reruns=1), nothing, _failed(RANK_FAILURE)) is None
 
@@ -295,16 +295,19 @@ def test_the_parents_seed_goes_to_its_rank_sets(pytester):
     assert coexist.randomly_args(pytester.parseconfig("-p", "no:randomly")) == []
 
 
-def test_a_running_measurement_is_handed_to_the_rank_sets(monkeypatch, tmp_path):
+def test_pytest_covs_measurement_is_handed_to_the_rank_sets(monkeypatch, tmp_path):
     coverage = pytest.importorskip("coverage")
     for name in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(coverage.Coverage, "current", classmethod(lambda cls: None))
-    assert coexist.coverage_env() == {}
     monkeypatch.chdir(tmp_path)
     measurement = coverage.Coverage(source=["mypkg"], branch=True)
-    monkeypatch.setattr(coverage.Coverage, "current", classmethod(lambda cls: measurement))
-    env = coexist.coverage_env()
+    plugins = {}
+    config = SimpleNamespace(pluginmanager=SimpleNamespace(get_plugin=plugins.get))
+    assert coexist.coverage_env(config) == {}  # no pytest-cov
+    plugins["_cov"] = SimpleNamespace(cov_controller=None)
+    assert coexist.coverage_env(config) == {}  # pytest-cov, not measuring (no --cov)
+    plugins["_cov"] = SimpleNamespace(cov_controller=SimpleNamespace(cov=measurement))
+    env = coexist.coverage_env(config)
     from coverage.config import CoverageConfig
 
     handed = CoverageConfig.deserialize(env["COVERAGE_PROCESS_CONFIG"])
@@ -313,4 +316,4 @@ def test_a_running_measurement_is_handed_to_the_rank_sets(monkeypatch, tmp_path)
     assert handed.data_file == str(tmp_path / ".coverage")
     # coverage's own subprocess patch already hands it on: nothing to add
     monkeypatch.setenv("COVERAGE_PROCESS_CONFIG", "x")
-    assert coexist.coverage_env() == {}
+    assert coexist.coverage_env(config) == {}
