@@ -317,3 +317,21 @@ def test_pytest_covs_measurement_is_handed_to_the_rank_sets(monkeypatch, tmp_pat
     # coverage's own subprocess patch already hands it on: nothing to add
     monkeypatch.setenv("COVERAGE_PROCESS_CONFIG", "x")
     assert coexist.coverage_env(config) == {}
+
+
+def test_only_rerun_given_for_a_torchrun_run_is_refused_in_one_line(pytester, monkeypatch):
+    from pytest_megatron_fsdp import options
+
+    config = pytester.parseconfig("--mfsdp-only-rerun=timeout")
+    with pytest.raises(options.OptionError) as refused:
+        options.refuse_plain_mode_only(config)
+    assert str(refused.value).startswith(
+        "--mfsdp-only-rerun=timeout: not under torchrun: it chooses which failures are rerun"
+    )
+    monkeypatch.setenv("MFSDP_ONLY_RERUN", "rank-death;timeout")
+    given = "^environment variable MFSDP_ONLY_RERUN=rank-death;timeout: not under torchrun"
+    with pytest.raises(options.OptionError, match=given):
+        options.refuse_plain_mode_only(pytester.parseconfig())
+    pytester.makeini("[pytest]\nmfsdp_only_rerun = timeout\n")  # a standing setting: not used there
+    monkeypatch.delenv("MFSDP_ONLY_RERUN")
+    options.refuse_plain_mode_only(pytester.parseconfig())
