@@ -259,6 +259,17 @@ def test_a_failure_the_controller_made_is_matched_by_its_headline_and_kind():
         "only rank-death is rerun (--mfsdp-only-rerun, the marker's only_rerun=); this is a failure"
     )
     assert ctl._declines_rerun(item, DistributedSpec(reruns=1), nothing, _failed(RANK_FAILURE)) is None
+    # pytest-rerunfailures' patterns decide too, on the exception lines of the ranks' report
+    only_keys = coexist.RerunFilters(only=("KeyError",), source={"only": "--only-rerun"})
+    declined = ctl._declines_rerun(item, DistributedSpec(reruns=1), only_keys, _failed(RANK_FAILURE))
+    assert declined == "--only-rerun: no pattern matches the failure"
+    only_deaths_text = coexist.RerunFilters(only=("died",), source={"only": "--only-rerun"})
+    assert (
+        ctl._declines_rerun(
+            item, DistributedSpec(reruns=1), only_deaths_text, _failed("rank 1 died", "rank-death")
+        )
+        is None
+    )
 
 
 def test_the_delay_between_attempts_is_pytest_rerunfailures_formula():
