@@ -14,16 +14,33 @@ import pytest
 
 pytest.importorskip("pytest_rerunfailures", reason="the dev extra's pytest-rerunfailures")
 
+# The parent writes the test it is at into current.txt; a rank set running ahead of it waits there,
+# so that each attempt the parent sees is one run of the test (a set that ran ahead is killed when
+# an earlier test is rerun, and its run would count as an attempt the parent never saw).
+CONFTEST = """
+import os
+from pathlib import Path
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if "RANK" not in os.environ:  # the parent, not a rank
+        (Path(__file__).parent / "current.txt").write_text(nodeid)
+"""
+
 # Each attempt appends its rank's pid to attempts-<name>.txt.
 TESTS = """
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 
 def attempt(name):
-    path = Path({root!r}) / f"attempts-{{name}}.txt"
+    current = Path({root!r}) / "current.txt"
+    while not current.exists() or not current.read_text().endswith("::test_" + name.partition(":")[2]):
+        time.sleep(0.05)
+    path = Path({root!r}) / f"attempts-{{name.partition(':')[0]}}.txt"
     with path.open("a") as f:
         f.write(f"{{os.getpid()}}\\n")
     return len(path.read_text().splitlines())
@@ -32,37 +49,37 @@ def attempt(name):
 @pytest.mark.distributed(world_size=1)
 @pytest.mark.flaky(reruns=1)
 def test_flaky_marker():
-    assert attempt("flaky") > 1, "the first attempt fails"
+    assert attempt("flaky:flaky_marker") > 1, "the first attempt fails"
 
 
 @pytest.mark.distributed(world_size=1)
 def test_reruns_option():
-    assert attempt("option") > 1, "the first attempt fails"
+    assert attempt("option:reruns_option") > 1, "the first attempt fails"
 
 
 @pytest.mark.distributed(world_size=1)
 @pytest.mark.flaky(reruns=1, only_rerun="ConnectionError")
 def test_not_matching():
-    attempt("not_matching")
+    attempt("not_matching:not_matching")
     assert False, "an assertion: not rerun"
 
 
 @pytest.mark.distributed(world_size=1)
 @pytest.mark.flaky(reruns=1, only_rerun="ConnectionError")
 def test_matching():
-    if attempt("matching") == 1:
+    if attempt("matching:matching") == 1:
         raise ConnectionError("the first attempt lost its peer")
 
 
 @pytest.mark.distributed(world_size=1, reruns=1, only_rerun="rank-death")
 def test_death_rerun():
-    if attempt("death") == 1:
+    if attempt("death:death_rerun") == 1:
         os._exit(3)
 
 
 @pytest.mark.distributed(world_size=1, reruns=1, only_rerun="rank-death")
 def test_assertion_not_rerun():
-    attempt("assertion")
+    attempt("assertion:assertion_not_rerun")
     assert False, "a failure, not a rank death"
 """
 
@@ -72,9 +89,10 @@ def _pids(root, name) -> list[str]:
 
 
 def test_rerunfailures_reruns_distributed_tests_in_fresh_rank_sets(pytester, leftover_processes):
+    pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_reruns=TESTS.format(root=str(pytester.path)))
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--reruns=1", "-rR", "-v", timeout=400
+        "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--reruns=1", "-rRP", "-v", timeout=400
     )
     out = result.stdout.str()
     assert result.parseoutcomes() == {"passed": 4, "failed": 2, "rerun": 4}, out
@@ -113,7 +131,7 @@ def test_rerunfailures_reruns_distributed_tests_in_fresh_rank_sets(pytester, lef
     assert "only rank-death is rerun (--mfsdp-only-rerun, the marker's only_rerun=); this is a failure" in out
     # pytest-rerunfailures' own summary lists the attempts, as for any test
     result.stdout.fnmatch_lines(["*rerun test summary info*", "RERUN test_reruns.py::test_flaky_marker"])
-    assert "rank 0 died (exit code 3)" in out  # the death that was rerun stays visible
+    assert "rank 0 died (exit code 3)" in out  # the death that was rerun stays visible (-rP)
     assert leftover_processes(pytester.path) == []
 
 
