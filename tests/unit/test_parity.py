@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_megatron_fsdp import RunConfig, assert_matches_baseline, ddp_baseline, enable_megatron_fsdp, validate
+from pytest_megatron_fsdp import (
+    RunConfig,
+    assert_matches_baseline,
+    ddp_baseline,
+    enable_megatron_fsdp,
+    validate,
+)
 
 
 def test_exact_means_bit_for_bit_and_the_message_names_the_first_differing_iteration():
     assert_matches_baseline([4.5, 4.25], [4.5, 4.25], rel_tol=0.0, what="w")
     with pytest.raises(AssertionError) as failure:
         assert_matches_baseline([4.5, 4.25 + 1e-12, 3.0], [4.5, 4.25, 3.5], rel_tol=0.0, what="optim")
-    assert str(failure.value).startswith("optim: iteration 2 loss 4.250000000001 != DDP baseline 4.25 (rel_tol 0.0)")
+    message = str(failure.value)
+    assert message.startswith("optim: iteration 2 loss 4.250000000001 != DDP baseline 4.25 (rel_tol 0.0)")
 
 
 def test_a_tolerance_is_relative_and_the_metric_is_named():
