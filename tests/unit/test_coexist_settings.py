@@ -282,7 +282,9 @@ def test_the_delay_between_attempts_is_pytest_rerunfailures_formula():
 
 
 def _torchrun(rank: int, run_id: str = "run-a", port: int = 29400) -> TorchrunEnv:
-    return TorchrunEnv(rank, 2, rank, 2, "127.0.0.1", port, True, run_id)
+    return TorchrunEnv(
+        rank, 2, rank, 2, master_addr="127.0.0.1", master_port=port, agent_store=True, run_id=run_id
+    )
 
 
 def test_torchrun_ranks_derive_one_seed_from_their_run(pytester):
