@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .environment import DistEnv
-from .fsdp.config import ConfigError, RunConfig, enable_megatron_fsdp, validate
+from .fsdp.config import ConfigError, RunConfig, ddp_baseline, enable_megatron_fsdp, validate
 from .fsdp.presets import PRESETS, ModelPreset
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ _LAZY = {
     "assert_last_loss_finite": "fsdp.assertions",
     "assert_loss_decreased": "fsdp.assertions",
     "assert_megatron_fsdp_sharded": "fsdp.assertions",
+    "assert_matches_baseline": "fsdp.parity",
     "assert_reproducible": "fsdp.reproducibility",
     "TrainingRun": "fsdp.training",
     "record_checkpoint": "reporting.metrics",
@@ -44,6 +45,7 @@ __all__ = [
     "ModelPreset",
     "PRESETS",
     "RunConfig",
+    "ddp_baseline",
     "enable_megatron_fsdp",
     "validate",
     *_LAZY,

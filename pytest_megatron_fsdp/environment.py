@@ -34,7 +34,11 @@ class DistributedSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    #: seconds, resolved once: marker ``timeout=`` > ``--mfsdp-timeout`` > env > ini > default
+    #: seconds, resolved once: marker ``timeout=`` > ``@pytest.mark.timeout`` > ``--mfsdp-timeout`` >
+    #: env > ini > pytest-timeout's ``--timeout`` > its env > its ini > default
     timeout_s: float = 300.0
-    #: plain mode: attempts after a failure, each in a fresh rank set (marker ``reruns=`` > options)
+    #: plain mode: attempts after a failure, each in a fresh rank set (marker ``reruns=`` > options;
+    #: pytest-rerunfailures' settings count too)
     reruns: int = 0
+    #: the kinds of failure that are rerun (``--mfsdp-only-rerun``); empty: every kind
+    only_rerun: tuple[str, ...] = ()

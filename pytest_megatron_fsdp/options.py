@@ -29,6 +29,8 @@ from .harness.protocol import add_internal_options
 
 PREFIX = "mfsdp"
 PLATFORMS = ("auto", "cpu", "cuda")
+#: the kinds of failure --mfsdp-only-rerun chooses from (see harness.controller.failure_kind)
+RERUN_KINDS = ("timeout", "rank-death", "failure")
 
 
 def _positive_float(text: str) -> float:
@@ -137,6 +139,18 @@ OPTIONS: dict[str, Option] = {
             _non_negative_int,
             0,
             "N",
+        ),
+        Option(
+            "only-rerun",
+            "rerun a failed distributed test (--mfsdp-reruns, the marker's reruns=, pytest-rerunfailures) "
+            "only for these kinds of failure: 'timeout' (the test exceeded its timeout), 'rank-death' "
+            "(a rank died or the rank set ended before the test did), 'failure' (the test failed or "
+            "errored in its ranks: an assertion, an exception); repeatable; default: every kind "
+            "(plain mode only; the marker's only_rerun= wins)",
+            _choice(RERUN_KINDS),
+            (),
+            "KIND",
+            multiple=True,
         ),
         Option(
             "log-dir",
@@ -250,6 +264,8 @@ class ResolvedOptions:
     preset: str | None
     timeout: float
     reruns: int
+    #: the kinds of failure that are rerun (empty: every kind)
+    only_rerun: tuple[str, ...]
     log_dir: str | None
     shared_dir: str | None
     pg_timeout: float
@@ -319,7 +335,7 @@ def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:
     return option.default
 
 
-def given(config: pytest.Config) -> list[str]:
+def any_given(config: pytest.Config) -> list[str]:
     """Where the user gave any of the plugin's options (flag, environment variable, ini key): a
     session with none, and no test that uses the plugin, is left as it would be without it."""
     found = []
@@ -360,6 +376,18 @@ def _multiple_source(config: pytest.Config, option: Option) -> tuple[str, list[s
         if items:
             return source, list(items)
     return "", []
+
+
+def given(config: pytest.Config, name: str) -> bool:
+    """Whether the command line, the environment or the ini file gives the option a value (its
+    default then does not apply: a lower-precedence source, such as another plugin's setting, may)."""
+    option = OPTIONS[name]
+    if option.multiple:
+        return bool(_multiple_source(config, option)[1])
+    cli = getattr(config.option, option.dest, None)
+    if cli is None:
+        cli = getattr(config.known_args_namespace, option.dest, None)
+    return cli is not None or bool(os.environ.get(option.env)) or bool(config.getini(option.ini))
 
 
 def _parse(option: Option, raw: Any, source: str) -> Any:
@@ -452,6 +480,7 @@ def starting_config(preset: str, use_megatron_fsdp: bool, platform: str) -> RunC
 PLAIN_MODE_ONLY = {
     "reruns": "each attempt needs a fresh rank set, which only plain mode (pytest, not torchrun) launches; "
     "a torchrun rank cannot restart its own process group",
+    "only-rerun": "it chooses which failures are rerun, and only plain mode (pytest, not torchrun) reruns",
 }
 
 
@@ -463,7 +492,12 @@ def refuse_plain_mode_only(config: pytest.Config) -> None:
             (option.flag, getattr(config.option, option.dest, None)),
             (f"environment variable {option.env}", os.environ.get(option.env) or None),
         ):
-            if raw is not None and _parse(option, raw, source):
+            if raw is not None and option.multiple:
+                raw = ";".join(raw) if isinstance(raw, list) else raw
+                acts = any(_parse(option, one, source) for one in raw.split(";") if one.strip())
+            else:
+                acts = raw is not None and _parse(option, raw, source)
+            if acts:
                 raise OptionError(
                     f"{source}={raw}: not under torchrun: {why}; run plain pytest to rerun failed tests"
                 )

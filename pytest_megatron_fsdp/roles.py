@@ -46,7 +46,7 @@ import pytest
 
 from . import cpu_mode, marker, options
 from .fsdp import versions
-from .harness import owned_temp, protocol, slurm
+from .harness import coexist, owned_temp, protocol, slurm
 from .harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .harness.gpu_slices import GpuSliceError
 from .harness.held_terminal import HELD_TERMINAL, HeldOutput
@@ -292,6 +292,10 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
             # the same path could interleave.
             config.option.xmlpath = None
         cls._set_basetemp(config, role.torchrun)
+        if not cls.LAUNCHED:
+            # before pytest-randomly's configure: every rank shuffles and reseeds alike (a launched
+            # rank set gets the parent's seed on its command line)
+            coexist.agree_randomly_seed(config, role.torchrun)
 
     @classmethod
     def _set_basetemp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
@@ -329,11 +333,21 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
     def _shared_root(self, config: pytest.Config) -> str | None:
         return options.resolved(config).shared_dir
 
+    def timeout_for(self, item: pytest.Item) -> float:
+        # a test without the marker in a torchrun rank session: by the same precedence, without the
+        # distributed marker (pytest-timeout's marker, --mfsdp-timeout, pytest-timeout's options)
+        if item.nodeid in self._batch_timeouts or protocol.spec_of(item) is not None:
+            return super().timeout_for(item)
+        return marker.resolve_timeout(item)
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         config = session.config
         if config.option.collectonly or not _needs_rank_session(session):
             return
+        if not self.launched:
+            # before the ranks connect: every rank refuses alike
+            coexist.refuse_rerunfailures_under_torchrun(session.items)
         rank_session = RankSession.start(
             self.torchrun,
             config.stash[PLATFORM],
@@ -403,7 +417,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
 
     @classmethod
     def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:
-        if not config.stash.get(_AWAITING, False) and not options.given(config):
+        if not config.stash.get(_AWAITING, False) and not options.any_given(config):
             config.stash[_AWAITING] = True
             return
         if role.srun is not None:

@@ -1238,6 +1238,17 @@ def disable_megatron_fsdp(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def ddp_baseline(cfg: RunConfig) -> RunConfig:
+    """A copy of ``cfg`` that trains with Megatron's DDP instead of Megatron-FSDP: the baseline the
+    parity tests compare with (same seed, same data). Megatron DDP's distributed optimizer fails a
+    torch.cuda type check on CPU ranks, so it is off, and without it parameter gathering cannot
+    overlap (Megatron-LM's rule, which validate() enforces)."""
+    base = disable_megatron_fsdp(cfg.copy())
+    base.ddp.use_distributed_optimizer = False
+    base.ddp.overlap_param_gather = False
+    return base
+
+
 def fix_checkpoint_format(cfg: RunConfig) -> str | None:
     """The seed's recipe pitfall: with Megatron-FSDP on, a recipe that still says ``torch_dist`` is
     switched to ``fsdp_dtensor`` (validate() refuses any other format with Megatron-FSDP, whether or

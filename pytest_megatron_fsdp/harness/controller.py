@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from . import flight_recorder, protocol, warnings_relay, xdist_queue
+from . import coexist, flight_recorder, protocol, warnings_relay, xdist_queue
 from .agreement import headlined_failure
 from .launcher import PostMortem, RankSet, describe_exit
 from .protocol import log_dir, spec_of
@@ -107,7 +107,7 @@ class Controller:
             for old in logs.parent.glob(f"{prefix}*-world*"):
                 if old != logs:
                     shutil.rmtree(old, ignore_errors=True)
-        env = {}
+        env = coexist.coverage_env(self.config)  # `pytest --cov`: the ranks measure themselves into it
         if self.gpu_slice is not None and self.platforms.get(world_size) == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = self.gpu_slice
         rank_set = RankSet(world_size, logs, self.config.invocation_params.dir, env)
@@ -171,6 +171,7 @@ class Controller:
         for warning in getattr(opt, "pythonwarnings", None) or []:
             args += ["-W", warning]
         args += self._forwarded_args
+        args += coexist.randomly_args(self.config)  # every rank reseeds each test as this process would
         # The parent decided the platform once; every rank set uses that decision.
         args.append(f"--mfsdp-platform={self.platforms[world_size]}")
         return args
@@ -194,19 +195,40 @@ class Controller:
 
     # -- running ------------------------------------------------------------------------------------
 
+    def _runs(self, item: pytest.Item) -> bool:
+        """Whether this controller runs ``item`` (a distributed test this machine hosts)."""
+        return spec_of(item) is not None and UNHOSTABLE not in item.stash
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+        """pytest-timeout: no timer of its own around a distributed test here. The controller owns
+        that test's deadline (its timeout, pytest-timeout's settings among the sources: see
+        ``marker.resolve_timeout``); a SIGALRM in its wait would end the session, a timer thread's
+        ``os._exit`` would leave the rank set running."""
+        return True if self._runs(item) else None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
+        return True if isinstance(item, pytest.Item) and self._runs(item) else None
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        spec = spec_of(item)
-        if spec is None or UNHOSTABLE in item.stash:
+        if not self._runs(item):
             return None  # plain tests, and tests skipped for want of GPUs, run as usual
+        spec = spec_of(item)
         world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         attempts = spec.reruns + 1
+        filters = coexist.rerun_filters(item)
         failures: list[tuple[str, pytest.TestReport]] = []  # (rank set, failing report) per failed attempt
+        declined: str | None = None  # why a failure was not rerun although attempts were left
         for attempt in range(1, attempts + 1):
             if attempt > 1:
+                _sleep(filters.delay(attempt - 1))
                 rank_set = self._fresh_rank_set(item, world_size)
+            item.execution_count = attempt  # as pytest-rerunfailures counts (its --fail-on-flaky reads it)
+            started = _clock()
             try:
                 reports = self._collect_reports(item, rank_set)
             except KeyboardInterrupt:
@@ -217,12 +239,17 @@ class Controller:
                 reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + _death(
                     rank_set.post_mortem(), spec.timeout_s, interrupted=True
                 )
-                report = self._failure(item, rank_set, "call", reason)
+                report = self._failure(item, rank_set, "call", reason, _clock() - started, "interrupted")
                 item.ihook.pytest_runtest_logreport(report=report)
                 item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
                 raise
+            for report in reports:
+                report.rerun = attempt - 1  # pytest-rerunfailures' attribute: its summary lists the attempts
             failed = next((r for r in reports if r.failed), None)
             if failed is None or attempt == attempts:
+                break
+            declined = _declines_rerun(item, spec, filters, failed)
+            if declined is not None:
                 break
             failures.append((rank_set.log_dir.name, failed))
             for report in reports[: reports.index(failed) + 1]:
@@ -233,6 +260,8 @@ class Controller:
                 item.ihook.pytest_runtest_logreport(report=report)
         if failures:
             _note_attempts(reports, failures, attempts)
+        if declined is not None:
+            failed.sections.append(("megatron-fsdp: not rerun", declined))
         reports += self._teardown_local_state(item, nextitem)
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
@@ -314,7 +343,9 @@ class Controller:
         the rank set went wrong (died, hung, ran or collected something else)."""
         timeout = spec_of(item).timeout_s
         startup = STARTUP_ALLOWANCE_S if rank_set.tests_finished == 0 else 0.0
-        deadline = _clock() + timeout + KILL_GRACE_S + startup
+        #: since when the test counts as running (its ranks' start; until then, this wait's)
+        since = _clock()
+        deadline = since + timeout + KILL_GRACE_S + startup
         relay = self.config.option.capture == "no"
         watch = TestWatch(
             item.nodeid,
@@ -327,9 +358,13 @@ class Controller:
                 started = watch.started
                 watch.handle(events.popleft())
                 if watch.problem is not None:
-                    return watch.reports + [self._failure(item, rank_set, watch.phase(), watch.problem)]
+                    failure = self._failure(
+                        item, rank_set, watch.phase(), watch.problem, watch.elapsed(since), RANK_DEATH
+                    )
+                    return watch.reports + [failure]
                 if watch.started and not started:
-                    deadline = _clock() + timeout + KILL_GRACE_S
+                    since = _clock()
+                    deadline = since + timeout + KILL_GRACE_S
                 if watch.finished:
                     rank_set.tests_finished += 1
                     if relay:
@@ -340,18 +375,26 @@ class Controller:
             if rank_set.exited():
                 if rank_set.poll_events():
                     continue  # the last words arrived with the exit
-                reason = _death(rank_set.post_mortem(), timeout)
-                return watch.reports + [self._failure(item, rank_set, watch.phase(), reason)]
+                post_mortem = rank_set.post_mortem()
+                kind = TIMEOUT if post_mortem.timed_out else RANK_DEATH
+                reason = _death(post_mortem, timeout)
+                failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), kind)
+                return watch.reports + [failure]
             if _clock() > deadline:
                 rank_set.dump_stacks()
                 _sleep(1.0)
                 rank_set.kill()
                 reason = _death(rank_set.post_mortem(), timeout, killed_after=timeout)
-                return watch.reports + [self._failure(item, rank_set, watch.phase(), reason)]
+                failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), TIMEOUT)
+                return watch.reports + [failure]
             _sleep(0.05)
 
-    def _failure(self, item: pytest.Item, rank_set: RankSet, when: str, reason: str) -> pytest.TestReport:
-        """The test fails in phase ``when`` (see :meth:`TestWatch.phase`); this rank set is finished."""
+    def _failure(
+        self, item: pytest.Item, rank_set: RankSet, when: str, reason: str, duration: float, kind: str
+    ) -> pytest.TestReport:
+        """The test fails in phase ``when`` (see :meth:`TestWatch.phase`) after ``duration`` seconds of
+        that phase (JUnit's ``time``, ``--durations``); this rank set is finished. ``kind``: what
+        happened (:data:`TIMEOUT`, :data:`RANK_DEATH`; ``--mfsdp-only-rerun`` chooses by it)."""
         world_size = rank_set.world_size
         if self.active.get(world_size) is rank_set:
             self._close(world_size)  # the rest of the batch continues in a fresh rank set
@@ -363,8 +406,9 @@ class Controller:
             longrepr=headlined_failure(item, reason),
             when=when,
             sections=[],
-            duration=0.0,
+            duration=max(duration, 0.0),
             user_properties=list(item.user_properties),
+            mfsdp_failure=kind,
         )
 
 
@@ -414,6 +458,11 @@ class TestWatch:
     def on_finished(self, event: protocol.Finished) -> None:
         self.finished = True
 
+    def elapsed(self, since: float) -> float:
+        """Seconds of the phase a failure now is charged to: since ``since`` (the test's start, or the
+        start of the wait for it), less what the phases reported before it took."""
+        return _clock() - since - sum(r.duration for r in self.reports)
+
     def phase(self) -> str:
         """The phase a failure of the rank set (death, hang, a wrong event) is charged to.
 
@@ -436,6 +485,36 @@ _HANDLERS: dict[type, Callable[[TestWatch, Any], None]] = {
     protocol.Report: TestWatch.on_report,
     protocol.Finished: TestWatch.on_finished,
 }
+
+
+#: the kinds of failure the controller makes itself (``report.mfsdp_failure``); a failure the ranks
+#: report has none and counts as FAILURE (``--mfsdp-only-rerun``)
+TIMEOUT, RANK_DEATH, FAILURE = "timeout", "rank-death", "failure"
+
+
+def failure_kind(report: pytest.TestReport) -> str:
+    """What kind of failure ``report`` is: a timeout, a rank death, or the test's own failure."""
+    return getattr(report, "mfsdp_failure", None) or FAILURE
+
+
+def _declines_rerun(
+    item: pytest.Item, spec: Any, filters: coexist.RerunFilters, failed: pytest.TestReport
+) -> str | None:
+    """Why ``failed`` is not rerun although attempts are left (None: it is rerun): its kind is not
+    one ``--mfsdp-only-rerun`` names, pytest-rerunfailures' filters decline it, or its
+    ``--max-suite-reruns`` is spent."""
+    kind = failure_kind(failed)
+    if spec.only_rerun and kind not in spec.only_rerun:
+        chosen = ", ".join(spec.only_rerun)
+        return f"only {chosen} is rerun (--mfsdp-only-rerun, the marker's only_rerun=); this is a {kind}"
+    why = filters.declines(coexist.exception_texts(failed))
+    if why is not None:
+        return why
+    if filters.max_suite_reruns is not None:
+        db = getattr(item.config, "failures_db", None)  # pytest-rerunfailures' suite-wide count
+        if db is not None and not db.try_increment_suite_reruns(filters.max_suite_reruns):
+            return f"--max-suite-reruns={filters.max_suite_reruns}: the suite's reruns are spent"
+    return None
 
 
 def _death(

@@ -31,7 +31,7 @@ from typing import IO, Any
 import pytest
 from _pytest.runner import runtestprotocol
 
-from . import flight_recorder, protocol, warnings_relay
+from . import coexist, flight_recorder, protocol, warnings_relay
 from .agreement import merge_reports, summarise
 from .held_terminal import HELD_TERMINAL
 from .protocol import (
@@ -196,18 +196,30 @@ class RankPlugin:
         """All ranks run the same tests in the same order, or none runs anything."""
         mine = [item.nodeid for item in session.items]
         store = rank_session.store
-        store.set(f"collect/{self.rank}", json.dumps(mine))
+        seed = coexist.randomly_seed(self.config)
+        store.set(f"collect/{self.rank}", json.dumps({"nodeids": mine, "randomly_seed": seed}))
         keys = [f"collect/{r}" for r in range(self.torchrun.world_size)]
         store.wait(keys, datetime.timedelta(seconds=self._agreement_timeout_s))
-        reference = json.loads(store.get("collect/0"))
+        first = json.loads(store.get("collect/0"))
+        reference = first["nodeids"]
         for rank in range(1, self.torchrun.world_size):
-            theirs = json.loads(store.get(f"collect/{rank}"))
-            if theirs != reference:
+            data = json.loads(store.get(f"collect/{rank}"))
+            theirs = data["nodeids"]
+            if theirs == reference:
+                continue
+            if data["randomly_seed"] != first["randomly_seed"]:
                 raise pytest.UsageError(
-                    f"ranks collected different tests: {_first_difference(reference, theirs, rank)}; "
-                    "every rank must collect the same tests in the same order (check for rank-dependent "
-                    "collection, e.g. conftest code reading RANK, or files differing between nodes)"
+                    f"ranks collected their tests in different orders "
+                    f"({_first_difference(reference, theirs, rank)}): pytest-randomly shuffled them with "
+                    f"--randomly-seed={first['randomly_seed']} on rank 0 and "
+                    f"--randomly-seed={data['randomly_seed']} on rank {rank}; give every rank the same "
+                    "seed (--randomly-seed=N on the command line) or disable it (-p no:randomly)"
                 )
+            raise pytest.UsageError(
+                f"ranks collected different tests: {_first_difference(reference, theirs, rank)}; "
+                "every rank must collect the same tests in the same order (check for rank-dependent "
+                "collection, e.g. conftest code reading RANK, or files differing between nodes)"
+            )
         self._event(protocol.Collected(nodeids=mine))
 
     # -- running ------------------------------------------------------------------------------------
@@ -218,6 +230,19 @@ class RankPlugin:
             return self._batch_timeouts[item.nodeid]
         spec = spec_of(item)
         return spec.timeout_s if spec is not None else self._default_timeout_s
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+        """pytest-timeout: no timer of its own around a test the watchdog times (every test of a rank
+        session). Its SIGALRM would fail the test on this rank alone, mid-collective, and its timer
+        thread would end this rank alone, each at a time of its own (an ini ``timeout`` reaches every
+        rank a parent launches); the watchdog ends every rank at the test's one timeout, in which
+        pytest-timeout's settings are a source (``marker.resolve_timeout``)."""
+        return True if self.config.stash.get(RANK_SESSION, None) is not None else None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_cancel_timer(self, item: Any) -> bool | None:
+        return True if self.config.stash.get(RANK_SESSION, None) is not None else None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:

@@ -44,6 +44,9 @@ class TorchrunEnv:
     agent_store: bool = False
     #: who started the ranks when torchrun did not (an srun step: see :mod:`.slurm`), for messages
     launched_by: str = ""
+    #: the torchrun run's id (TORCHELASTIC_RUN_ID; ``--standalone`` makes a new one per run), the
+    #: same on every rank
+    run_id: str = ""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> TorchrunEnv | None:
@@ -59,6 +62,7 @@ class TorchrunEnv:
             master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(environ["MASTER_PORT"]) if "MASTER_PORT" in environ else None,
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
         )
 
 

@@ -7,11 +7,15 @@ Where megatron-core has no HybridModel (0.16.1) every case skips with one line. 
 layers are megatron-core's local (non-Transformer-Engine) ones (``fsdp.model.hybrid_stack_spec``).
 """
 
-import math
-
 import pytest
 
-from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased, assert_megatron_fsdp_sharded
+from pytest_megatron_fsdp import (
+    assert_last_loss_finite,
+    assert_loss_decreased,
+    assert_matches_baseline,
+    assert_megatron_fsdp_sharded,
+    ddp_baseline,
+)
 from pytest_megatron_fsdp.fixtures import use_hybrid_model, use_megatron_fsdp_version
 from pytest_megatron_fsdp.fsdp import versions
 
@@ -20,15 +24,6 @@ GPU_RTOL = 1e-4
 #: 'optim' all-reduces in Megatron-FSDP's own buffer layout: a few float32 ulps from DDP on CPU
 #: ranks, as with the GPT (test_strategies.py); the other strategies are exact there
 OPTIM_CPU_RTOL = 1e-6
-
-
-def _ddp_baseline(cfg):
-    base = cfg.copy()
-    base.dist.use_megatron_fsdp = False
-    base.ddp.use_megatron_fsdp = False
-    base.ddp.use_distributed_optimizer = False  # Megatron DDP's one on CPU ranks fails a CUDA type check
-    base.ddp.overlap_param_gather = False
-    return base
 
 
 def _inner_model(run):
@@ -80,7 +75,7 @@ def test_hybrid_model_is_built_sharded_and_trains(megatron_fsdp_run, run_config,
 @pytest.fixture
 def hybrid_ddp_losses(megatron_fsdp_run, run_config):
     use_hybrid_model(run_config)
-    run = megatron_fsdp_run(_ddp_baseline(run_config))
+    run = megatron_fsdp_run(ddp_baseline(run_config))
     assert _is_hybrid(run)
     losses = run.train(ITERS).losses
     run.close()  # one model-parallel state at a time
@@ -106,11 +101,8 @@ def test_hybrid_strategy_matches_ddp_baseline(
         rel_tol = GPU_RTOL
     else:
         rel_tol = OPTIM_CPU_RTOL if strategy == "optim" else 0.0
-    for i, (a, e) in enumerate(zip(result.losses, hybrid_ddp_losses, strict=True), start=1):
-        same = a == e if rel_tol == 0 else math.isclose(a, e, rel_tol=rel_tol)
-        assert same, (
-            f"{strategy}: iteration {i} loss {a!r} != DDP {e!r}; all {result.losses} vs {hybrid_ddp_losses}"
-        )
+    assert len(result.losses) == ITERS
+    assert_matches_baseline(result.losses, hybrid_ddp_losses, rel_tol=rel_tol, what=strategy)
     assert_loss_decreased(result)
 
 

@@ -8,11 +8,15 @@ device (``fsdp.model.wrapper_device``). Losses are compared with Megatron DDP's 
 as ``test_strategies.py`` compares V1's.
 """
 
-import math
-
 import pytest
 
-from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased, assert_megatron_fsdp_sharded
+from pytest_megatron_fsdp import (
+    assert_last_loss_finite,
+    assert_loss_decreased,
+    assert_matches_baseline,
+    assert_megatron_fsdp_sharded,
+    ddp_baseline,
+)
 from pytest_megatron_fsdp.fixtures import use_megatron_fsdp_version
 from pytest_megatron_fsdp.fsdp import versions
 
@@ -28,17 +32,8 @@ V2_4_RANKS_CPU_RTOL = 1e-6
 V2_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def _ddp_baseline(cfg):
-    base = cfg.copy()
-    base.dist.use_megatron_fsdp = False
-    base.ddp.use_megatron_fsdp = False
-    base.ddp.use_distributed_optimizer = False  # Megatron DDP's one on CPU ranks fails a CUDA type check
-    base.ddp.overlap_param_gather = False
-    return base
-
-
 def _ddp_losses(megatron_fsdp_run, cfg):
-    run = megatron_fsdp_run(_ddp_baseline(cfg))
+    run = megatron_fsdp_run(ddp_baseline(cfg))
     losses = run.train(ITERS).losses
     assert type(run.model).__name__ == "DistributedDataParallel"
     run.close()  # one model-parallel state at a time; the next run re-initialises it, same seed
@@ -46,13 +41,8 @@ def _ddp_losses(megatron_fsdp_run, cfg):
 
 
 def _assert_close_losses(actual, expected, rel_tol, what):
-    assert len(actual) == len(expected) == ITERS
-    for i, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
-        same = a == e if rel_tol == 0 else math.isclose(a, e, rel_tol=rel_tol)
-        assert same, (
-            f"{what}: iteration {i} loss {a!r} != DDP baseline {e!r} (rel_tol {rel_tol}); "
-            f"all: {actual} vs {expected}"
-        )
+    assert len(actual) == ITERS
+    assert_matches_baseline(actual, expected, rel_tol=rel_tol, what=what)
 
 
 def _wrapper_names():

@@ -7,15 +7,15 @@ the same numbers in the same order there (measured bit-identical). On GPUs NCCL'
 reduction order differs, so the comparison allows ``GPU_RTOL`` (not verified in this session).
 """
 
-import math
-
 import pytest
 
 from pytest_megatron_fsdp import (
     assert_last_loss_finite,
     assert_loss_decreased,
+    assert_matches_baseline,
     assert_megatron_fsdp_sharded,
     config,
+    ddp_baseline,
 )
 from pytest_megatron_fsdp.config import apply_perf_harness_overrides
 from pytest_megatron_fsdp.fsdp import versions
@@ -31,35 +31,15 @@ ACCUMULATION_CPU_RTOL = 1e-6
 GRAD_NORM_RTOL = 1e-5
 
 
-def _ddp_baseline(cfg):
-    base = cfg.copy()
-    base.dist.use_megatron_fsdp = False
-    base.ddp.use_megatron_fsdp = False
-    # On CPU ranks Megatron DDP's distributed optimizer fails a torch.cuda type check; without it,
-    # parameter gathering cannot overlap (Megatron-LM's rule; validate() enforces it).
-    base.ddp.use_distributed_optimizer = False
-    base.ddp.overlap_param_gather = False
-    return base
-
-
 def _assert_same_losses(actual, expected, rel_tol, what):
-    assert len(actual) == len(expected) == ITERS
-    for i, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
-        same = a == e if rel_tol == 0 else math.isclose(a, e, rel_tol=rel_tol)
-        assert same, (
-            f"{what}: iteration {i} loss {a!r} != DDP baseline {e!r} (rel_tol {rel_tol}); "
-            f"all: {actual} vs {expected}"
-        )
+    assert len(actual) == ITERS
+    assert_matches_baseline(actual, expected, rel_tol=rel_tol, what=what)
 
 
 def _assert_same_grad_norms(actual, expected, what, rel_tol=GRAD_NORM_RTOL):
     """Adam hides a gradient's scale from the losses (nearly scale-invariant): the grad norm does not."""
-    assert len(actual) == len(expected) == ITERS
-    for i, (a, e) in enumerate(zip(actual, expected, strict=True), start=1):
-        assert math.isclose(a, e, rel_tol=rel_tol), (
-            f"{what}: iteration {i} grad norm {a!r} != DDP baseline {e!r} (rel_tol {rel_tol}); "
-            f"all: {actual} vs {expected}"
-        )
+    assert len(actual) == ITERS
+    assert_matches_baseline(actual, expected, rel_tol=rel_tol, what=what, metric="grad norm")
 
 
 def _rel_tol(platform, strategy):
@@ -72,7 +52,7 @@ def _rel_tol(platform, strategy):
 
 @pytest.fixture
 def ddp_result(megatron_fsdp_run, run_config, dist_env):
-    run = megatron_fsdp_run(_ddp_baseline(run_config))
+    run = megatron_fsdp_run(ddp_baseline(run_config))
     result = run.train(ITERS)
     assert type(run.model).__name__ == "DistributedDataParallel"
     run.close()  # one model-parallel state at a time; the next run re-initialises it, same seed
@@ -161,7 +141,7 @@ def test_gradient_accumulation_four_microbatches(
     run_config.ddp.data_parallel_sharding_strategy = strategy
     run_config.train.num_microbatches = 4
     run_config.train.global_batch_size = 4 * 2 * 2  # micro 2 (tiny) x 4 micro-batches x dp 2
-    baseline = megatron_fsdp_run(_ddp_baseline(run_config))
+    baseline = megatron_fsdp_run(ddp_baseline(run_config))
     expected = baseline.train(ITERS)
     baseline.close()
     run = megatron_fsdp_run(run_config)

@@ -1,5 +1,5 @@
 """Every unit test starts from a plain environment: not a torchrun rank or srun task, no MFSDP_*
-settings, not CI.
+settings, not CI, pytest-randomly off (``PYTEST_ADDOPTS``), no pytest-timeout from the environment.
 
 The tests launch pytest and torchrun themselves; a torchrun or Slurm variable (a CI runner that is
 a Slurm job) or an MFSDP_* option inherited from the caller's shell would change what those
@@ -19,11 +19,25 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 PYTEST_CI_VARS = ("CI", "BUILD_NUMBER")
 
 
+#: pytest-randomly (in the dev extra) off in every session a test starts, as in this suite itself
+#: (pyproject's addopts): their expected output follows file order. The test_coexist_* tests turn it
+#: on where they test it (``-p randomly``).
+INNER_ADDOPTS = "-p no:randomly"
+
+
 @pytest.fixture(autouse=True)
-def plain_environment(monkeypatch):
+def plain_environment(request, monkeypatch):
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # first: it empties PYTEST_ADDOPTS as it starts
     for name in list(os.environ):
-        if name in TORCHRUN_VARS or name in PYTEST_CI_VARS or name.startswith(("MFSDP_", "SLURM_")):
+        if (
+            name in TORCHRUN_VARS
+            or name in PYTEST_CI_VARS
+            or name.startswith(("MFSDP_", "SLURM_"))
+            or name in ("PYTEST_TIMEOUT", "PYTEST_ADDOPTS")
+        ):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("PYTEST_ADDOPTS", INNER_ADDOPTS)
 
 
 @pytest.fixture

@@ -508,3 +508,42 @@ def test_a_failure_on_one_rank_wins_over_a_skip_on_another():
         }
     )
     assert _outcomes(merged) == [("setup", "passed"), ("call", "failed"), ("teardown", "passed")]
+
+
+# -- the real duration of a failure the controller makes itself (JUnit time=, --durations) ---------
+
+
+def _timed_report(when: str, duration: float) -> Report:
+    location = ("test_x.py", 4, "test_x")
+    report = pytest.TestReport(NODEID, location, {}, "passed", None, when, duration=duration)
+    return Report(report=json.loads(json.dumps(report._to_json())))
+
+
+def test_a_timeout_carries_the_time_the_test_ran_and_its_kind(fake_clock):
+    hang = PostMortem(world_size=2, returncode=-9)
+    rank_set = FakeRankSet([[], [Started(nodeid=NODEID)]], exits=False, post_mortem=hang, finished=1)
+    reports = _watch(rank_set, FakeItem(timeout_s=10.0))
+    killed_at = rank_set.calls[1][1]
+    started_at = 0.05
+    # from the test's start to the kill: its 10 s timeout, the grace, the second for the stacks
+    assert reports[0].duration == pytest.approx(killed_at - started_at)
+    assert reports[0].duration > 10.0 + ctl.KILL_GRACE_S
+    assert reports[0].mfsdp_failure == "timeout"
+
+
+def test_a_death_carries_the_time_since_the_test_started_less_its_reported_phases(fake_clock):
+    waiting = [[] for _ in range(100)]  # 100 polls, 0.05 s apart: 5 s
+    rank_set = FakeRankSet(
+        [[Started(nodeid=NODEID)], *waiting, [_timed_report("setup", 2.0)], *waiting],
+        post_mortem=SIGSEGV_ON_RANK_1,
+    )
+    reports = _watch(rank_set)
+    assert _outcomes(reports) == [("setup", "passed"), ("call", "failed")]
+    died_at = fake_clock[0]
+    assert reports[1].duration == pytest.approx(died_at - 2.0)  # setup's 2 s are its own report's
+    assert died_at > 10.0 - 0.1
+    assert reports[1].mfsdp_failure == "rank-death"
+    # the watchdog's own timeout (its banner in a log), reported by the rank set's exit: a timeout
+    timed_out = PostMortem(world_size=2, returncode=1, exits={0: 124}, timed_out=[0, 1])
+    reports = _watch(FakeRankSet([[Started(nodeid=NODEID)]], post_mortem=timed_out))
+    assert reports[-1].mfsdp_failure == "timeout"
