@@ -8,6 +8,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from pytest_megatron_fsdp.harness.launcher import Rendezvous, torchrun_command
+
 
 def test_under_xdist_each_worker_launches_its_own_rank_sets(pytester):
     pytester.makepyfile(
@@ -77,20 +79,12 @@ def test_ranks_and_shared_dir(dist_env):
 """
     )
     port = _free_port()
-    env = dict(os.environ)  # plain: tests/unit/conftest.py removed torchrun variables
+    env = dict(os.environ)  # plain: tests/conftest.py's plain_environment removed torchrun variables
     env["SHARED"] = str(shared)
     agents = [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                f"--node_rank={node}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=mfsdp-two-nodes",
+                *torchrun_command(1, rendezvous=Rendezvous(2, node, f"127.0.0.1:{port}", "mfsdp-two-nodes")),
                 "--max-restarts=0",
                 "-m",
                 "pytest",

@@ -1,7 +1,5 @@
-"""The plugin as users meet it: options, errors on bad input, markers, and a light entry module."""
-
-import subprocess
-import sys
+"""The plugin as users meet it: options, errors on bad input and markers (its light entry module:
+tests/unit/test_plugin_imports.py)."""
 
 import pytest
 
@@ -11,19 +9,6 @@ def as_torchrun_rank(monkeypatch, world_size=2, rank=0):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("LOCAL_RANK", str(rank))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
-
-
-def test_loading_the_plugin_imports_neither_torch_nor_megatron():
-    code = (
-        "import sys, pytest_megatron_fsdp.plugin, pytest_megatron_fsdp\n"
-        # what test modules import at collection time, which the plain-mode parent also does
-        "from pytest_megatron_fsdp import TrainResult, assert_last_loss_finite, assert_loss_decreased\n"
-        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')]\n"
-        "print(heavy)\n"
-        "assert not heavy\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_plugin_is_registered_through_its_entry_point(pytester):
@@ -139,19 +124,3 @@ def test_dist_env_without_marker_fails_with_instructions(pytester):
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*mark the test @pytest.mark.distributed(world_size=N)*"])
-
-
-def test_auto_platform_without_gpu_device_nodes_needs_no_torch_import():
-    # The plain-mode parent decides the platform; on a machine with no GPU device node that costs
-    # no torch import. (A GPU machine takes the torch path, also checked.)
-    code = (
-        "import glob, sys\n"
-        "from pytest_megatron_fsdp.harness.platform import _GPU_DEVICE_NODES, select_platform\n"
-        "nodes = any(glob.glob(p) for p in _GPU_DEVICE_NODES)\n"
-        "choice = select_platform('auto', 2)\n"
-        "assert ('torch' in sys.modules) == nodes  # torch is asked only where a GPU may be\n"
-        "if not nodes:\n"
-        "    assert (choice.platform, choice.reason) == ('cpu', 'auto: no CUDA device'), choice\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
