@@ -1,4 +1,5 @@
-"""The ways users launch the suite: pytest-xdist, multi-node torchrun, and timeout precedence."""
+"""The ways users launch the suite: pytest-xdist, multi-node torchrun, -x, and a local test after a
+distributed one (timeout precedence and GPU counts, read in process: tests/unit/test_plugin.py)."""
 
 import json
 import os
@@ -111,66 +112,6 @@ def test_ranks_and_shared_dir(dist_env):
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
     assert "1 passed" in outputs[0]
     assert list(shared.iterdir()) == []  # the session's private subdirectory is gone
-
-
-def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
-    pytester.makeini("[pytest]\nmfsdp_timeout = 40\n")
-    pytester.makeconftest(
-        "import pytest\n"
-        "from pytest_megatron_fsdp.harness.protocol import spec_of\n"
-        "@pytest.hookimpl(trylast=True)\n"
-        "def pytest_collection_modifyitems(items):\n"
-        "    for item in items:\n"
-        "        print('TIMEOUT', item.name, spec_of(item).timeout_s)\n"
-    )
-    pytester.makepyfile(
-        "import pytest\n"
-        "@pytest.mark.distributed(world_size=2, timeout=7)\n"
-        "def test_marked(): pass\n"
-        "@pytest.mark.distributed(world_size=2)\n"
-        "def test_unmarked(): pass\n"
-    )
-
-    def timeouts(*args):
-        out = pytester.runpytest_subprocess("--collect-only", "-s", *args).stdout.str()
-        return [line.split()[1:] for line in out.splitlines() if line.startswith("TIMEOUT")]
-
-    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "40.0"]]
-    monkeypatch.setenv("MFSDP_TIMEOUT", "30")
-    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "30.0"]]
-    assert timeouts("--mfsdp-timeout=20") == [["test_marked", "7.0"], ["test_unmarked", "20.0"]]
-
-
-# A parent session that sees n GPUs (no rank is launched in these tests, so only the parent needs it).
-FAKE_GPUS = """
-from pytest_megatron_fsdp.harness import platform
-platform.visible_gpu_count = lambda fast=False: {n}
-"""
-
-
-def test_too_few_gpus_skips_with_what_is_missing(pytester):
-    pytester.makeconftest(FAKE_GPUS.format(n=1))  # this parent sees one GPU
-    pytester.makepyfile(
-        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider", "--mfsdp-platform=cuda")
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*needs 2 GPUs (world_size=2, --mfsdp-platform=cuda); 1 visible*"])
-
-
-def test_auto_platform_with_too_few_gpus_says_why_it_uses_cpu(pytester):
-    pytester.makeconftest(FAKE_GPUS.format(n=1))
-    pytester.makepyfile(
-        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
-    )
-    result = pytester.runpytest_subprocess("--collect-only", "-p", "no:cacheprovider")
-    result.stdout.fnmatch_lines(
-        [
-            "*world_size=2 -> platform=cpu, backend=gloo "
-            "(auto: only 1 GPU(s) for 2 local ranks, so CPU ranks; "
-            "--mfsdp-platform=cuda makes that an error)*"
-        ]
-    )
 
 
 def test_exitfirst_stops_the_batch_and_leaves_no_rank_behind(pytester, isolated_tmp, leftover_processes):

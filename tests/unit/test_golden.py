@@ -312,4 +312,36 @@ def test_only_the_writing_rank_records_and_gpu_runs_go_to_their_own_directory(tm
     assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*.json")] == [Path("s/cuda/t.py__t.json")]
 
 
-# -- the plugin: one real session --------------------------------------------------------------------
+# -- the plugin's options, in a session run in process (the real 2-rank session that records and
+# compares: tests/integration/test_golden_sessions.py) -----------------------------------------------
+
+#: a distributed test file for the session to collect (it never runs: the session stops before)
+DISTRIBUTED = """
+import pytest
+
+@pytest.mark.distributed(world_size=2)
+def test_trains(megatron_fsdp_run, run_config):
+    megatron_fsdp_run(run_config).train()
+"""
+
+
+@pytest.mark.parametrize(
+    "how, source",
+    [("flag", "--mfsdp-golden=nowhere"), ("env", "environment variable MFSDP_GOLDEN=nowhere")],
+)
+def test_compare_mode_without_the_directory_is_one_usage_line(
+    pytester, isolated_tmp, monkeypatch, how, source
+):
+    pytester.makepyfile(test_golden_runs=DISTRIBUTED)
+    args = ["-p", "no:cacheprovider"]
+    if how == "flag":
+        args.append("--mfsdp-golden=nowhere")
+    else:
+        monkeypatch.setenv("MFSDP_GOLDEN", "nowhere")
+    result = pytester.runpytest_inprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{source}: no such directory; record golden values first*"])
+    assert "Traceback" not in result.stderr.str()
+    # record mode makes the directory: no refusal (nothing trains here: --co)
+    result = pytester.runpytest_inprocess(*args, "--mfsdp-golden-mode=record", "--co", "-q")
+    assert result.ret == pytest.ExitCode.OK
