@@ -192,9 +192,13 @@ def run_pytest_session(
 def run_scenario(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Scenario]:
     """``run_scenario(name, files, *args, torchrun=False, nproc=2, env=None, timeout=300)``: one
     session in a fresh directory named after ``name`` (see :func:`run_pytest_session`), for a
-    module-scoped fixture whose result many tests read."""
+    module-scoped fixture whose result many tests read. ``files`` may be a function of that
+    directory (for tests that write there by absolute path)."""
 
-    def run(name: str, files: Mapping[str, str], *args: str, **options: Any) -> Scenario:
-        return run_pytest_session(tmp_path_factory.mktemp(name, numbered=True), files, *args, **options)
+    def run(
+        name: str, files: Mapping[str, str] | Callable[[Path], Mapping[str, str]], *args: str, **options: Any
+    ) -> Scenario:
+        path = tmp_path_factory.mktemp(name, numbered=True)
+        return run_pytest_session(path, files(path) if callable(files) else files, *args, **options)
 
     return run

@@ -86,17 +86,53 @@ def test_two_runs_in_one_test(megatron_fsdp_run, run_config):
 """
 
 
-def _after_each_test(pytester, rank: int) -> list[dict]:
-    return [json.loads(line) for line in (pytester.path / f"after-rank{rank}.jsonl").read_text().splitlines()]
+FULLY_SHARD_RUNS = """
+import pytest
+import torch
 
 
-def test_ten_runs_in_a_row_leave_no_wrapper_and_flat_memory(pytester):
-    pytester.makeconftest(AFTER_EACH_TEST)
-    pytester.makepyfile(test_ten=TEN_RUNS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=420)
-    result.assert_outcomes(passed=10)
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("i", range(3))
+def test_fully_shard(fully_shard_run, dist_env, i):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(2)]
+
+    def loss(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    run = fully_shard_run(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss,
+                          fsdp_unit_modules=[torch.nn.Linear])
+    run.train(2)
+"""
+
+#: fully_shard runs join the session where megatron-fsdp can run them (after the ten runs: the
+#: file names order them)
+FULLY_SHARD_AVAILABLE = versions.fully_shard_problem() is None
+
+
+@pytest.fixture(scope="module")
+def runs_in_a_row(run_scenario):
+    """One session: ten Megatron-FSDP/DDP/FSDP2 runs in a row, then three fully_shard runs where
+    megatron-fsdp is installed; each rank records what is left after every test."""
+    files = {"conftest.py": AFTER_EACH_TEST, "test_ten.py": TEN_RUNS}
+    if FULLY_SHARD_AVAILABLE:
+        files["test_z_fully_shard.py"] = FULLY_SHARD_RUNS
+    session = run_scenario("runs-in-a-row", files, "--mfsdp-platform=cpu", timeout=420)
+    session.result.assert_outcomes(passed=13 if FULLY_SHARD_AVAILABLE else 10)
+    return session
+
+
+def _after_each_test(path, rank: int, test_file: str) -> list[dict]:
+    """What rank ``rank`` recorded after each test of ``test_file`` (its ``test`` names that file's
+    functions)."""
+    records = [json.loads(line) for line in (path / f"after-rank{rank}.jsonl").read_text().splitlines()]
+    fully_shard = [r for r in records if r["test"].startswith("test_fully_shard[")]
+    return fully_shard if test_file == "fully_shard" else [r for r in records if r not in fully_shard]
+
+
+def test_ten_runs_in_a_row_leave_no_wrapper_and_flat_memory(runs_in_a_row):
     for rank in (0, 1):
-        after = _after_each_test(pytester, rank)
+        after = _after_each_test(runs_in_a_row.path, rank, "ten")
         assert len(after) == 10
         assert [a["wrappers"] for a in after] == [[]] * 10, after
         # Megatron's scratch (32 KiB per rank here, 8 MiB with the Bridge reference model on a GPU)
@@ -157,32 +193,8 @@ def test_a_model_kept_after_its_test_is_an_error_naming_bytes_and_holder(pyteste
     assert "ERROR at teardown of test_next_test_is_clean" not in result.stdout.str()
 
 
-FULLY_SHARD_RUNS = """
-import pytest
-import torch
-
-
-@pytest.mark.distributed(world_size=2)
-@pytest.mark.parametrize("i", range(3))
-def test_fully_shard(fully_shard_run, dist_env, i):
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(2)]
-
-    def loss(model, batch):
-        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
-
-    run = fully_shard_run(model, torch.optim.SGD(model.parameters(), lr=0.1), batches, loss,
-                          fsdp_unit_modules=[torch.nn.Linear])
-    run.train(2)
-"""
-
-
-@pytest.mark.skipif(versions.fully_shard_problem() is not None, reason=str(versions.fully_shard_problem()))
-def test_fully_shard_runs_leave_no_wrapper(pytester):
-    pytester.makeconftest(AFTER_EACH_TEST)
-    pytester.makepyfile(test_fs=FULLY_SHARD_RUNS)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=300)
-    result.assert_outcomes(passed=3)
+@pytest.mark.skipif(not FULLY_SHARD_AVAILABLE, reason=str(versions.fully_shard_problem()))
+def test_fully_shard_runs_leave_no_wrapper(runs_in_a_row):
     for rank in (0, 1):
-        after = _after_each_test(pytester, rank)
+        after = _after_each_test(runs_in_a_row.path, rank, "fully_shard")
         assert [a["wrappers"] for a in after] == [[]] * 3, after
