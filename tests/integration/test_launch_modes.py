@@ -9,6 +9,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 from pytest_megatron_fsdp.harness.launcher import Rendezvous, torchrun_command
 
 
@@ -114,33 +116,10 @@ def test_ranks_and_shared_dir(dist_env):
     assert list(shared.iterdir()) == []  # the session's private subdirectory is gone
 
 
-def test_exitfirst_stops_the_batch_and_leaves_no_rank_behind(pytester, isolated_tmp, leftover_processes):
-    pytester.makepyfile(
-        test_x="""
-import pytest
-@pytest.mark.distributed(world_size=2)
-def test_first_fails(dist_env):
-    assert False, "stop here"
-@pytest.mark.distributed(world_size=2)
-@pytest.mark.parametrize("i", range(3))
-def test_never_reached(dist_env, i):
-    pass
-"""
-    )
-    result = pytester.runpytest_subprocess(
-        "-x", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120
-    )
-    result.assert_outcomes(failed=1)
-    assert leftover_processes(pytester.path) == []  # the rank set that was still running the batch is gone
-    # only the rank logs stay (kept on purpose: failure reports point at them; no cache dir here)
-    assert [p.name for p in isolated_tmp.iterdir()] == ["mfsdp-logs"]
-
-
-def test_a_local_test_after_a_distributed_one_in_another_module_runs(pytester):
-    """The parent's setup state moves on past a distributed test (whose teardown ran in its ranks):
-    the module fixture of the local test before it is torn down, and the next module's test runs."""
-    pytester.makepyfile(
-        test_a="""
+#: a module fixture torn down when the session moves on past a distributed test, and a local test
+#: in the next module; then (test_x.py) a batch that -x stops at its first test
+LOCAL_AFTER_DISTRIBUTED = {
+    "test_a.py": """
 import pytest
 @pytest.fixture(scope="module")
 def mod():
@@ -152,13 +131,40 @@ def test_local(mod):
 def test_dist(dist_env):
     assert dist_env.world_size == 2
 """,
-        test_b="def test_after():\n    pass\n",
-    )
-    result = pytester.runpytest_subprocess(
-        "-s", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120
-    )
-    result.assert_outcomes(passed=3)
-    result.stdout.fnmatch_lines(["*TORN DOWN mod*"])
+    "test_b.py": "def test_after():\n    pass\n",
+    "test_x.py": """
+import pytest
+@pytest.mark.distributed(world_size=2)
+def test_first_fails(dist_env):
+    assert False, "stop here"
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("i", range(3))
+def test_never_reached(dist_env, i):
+    pass
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def exitfirst_session(run_scenario):
+    return run_scenario("exitfirst", LOCAL_AFTER_DISTRIBUTED, "-x", "-s", "--mfsdp-platform=cpu", timeout=120)
+
+
+def test_exitfirst_stops_the_batch_and_leaves_no_rank_behind(exitfirst_session):
+    # test_a.py and test_b.py pass; test_x.py's batch stops at its first test
+    exitfirst_session.result.assert_outcomes(passed=3, failed=1)
+    assert "test_never_reached" not in exitfirst_session.out
+    assert exitfirst_session.leftovers == []  # the rank set that was still running the batch is gone
+    # only the rank logs stay (kept on purpose: failure reports point at them; no cache dir here)
+    assert {name.split("/")[0] for name in exitfirst_session.tmp_left} == {"mfsdp-logs"}
+
+
+def test_a_local_test_after_a_distributed_one_in_another_module_runs(exitfirst_session):
+    """The parent's setup state moves on past a distributed test (whose teardown ran in its ranks):
+    the module fixture of the local test before it is torn down, and the next module's test runs."""
+    exitfirst_session.result.stdout.fnmatch_lines(["*TORN DOWN mod*"])
+    # test_a.py's two tests and test_b.py's (test_x.py's first test fails)
+    exitfirst_session.result.assert_outcomes(passed=3, failed=1)
 
 
 REPO = Path(__file__).resolve().parents[2]
