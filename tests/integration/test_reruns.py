@@ -34,61 +34,19 @@ def _attempt_pids(root, name):
     return {rank: (root / f"attempts-{name}-rank{rank}.txt").read_text().split() for rank in (0, 1)}
 
 
-def _section(out: str, test: str) -> str:
-    """The report section pytest prints for ``test`` (from its ``___ test ___`` header to the next)."""
-    lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("_") and f" {test} " in line)
-    end = next(
-        (i for i, line in enumerate(lines[start + 1 :], start + 1) if line.startswith(("___", "==="))),
-        len(lines),
-    )
-    return "\n".join(lines[start:end])
-
-
-@pytest.fixture(scope="module")
-def reruns_2(run_scenario):
-    """One session of all three tests with --mfsdp-reruns=2: the flaky one, the one whose marker says
-    no reruns, and the one failing every attempt."""
-    return run_scenario(
-        "reruns",
-        lambda root: {"test_reruns.py": RERUN_TESTS.format(root=str(root))},
-        "--mfsdp-platform=cpu",
-        "--mfsdp-reruns=2",
-        "-rP",
-        timeout=300,
-    )
-
-
-def test_reruns_session_outcomes(reruns_2):
-    # test_flaky passes after 1 rerun; test_never_rerun fails once; test_always_fails after 2 reruns
-    assert reruns_2.result.parseoutcomes() == {"passed": 1, "failed": 2, "rerun": 3}
-    assert reruns_2.leftovers == []
-
-
-def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(reruns_2):
-    result = reruns_2.result
-    result.stdout.fnmatch_lines(
-        [
-            "*megatron-fsdp reruns*",
-            "FLAKY test_reruns.py::test_flaky: passed on attempt 2 of 3, in a fresh rank set*",
-        ]
-    )
-    # the first failure stays visible: a section of the passing report, naming the first rank set
-    section = _section(reruns_2.out, "test_flaky")
-    assert "megatron-fsdp: attempt 1 of 3 failed (call; rank set batch1-world2)" in section, section
-    assert "the first attempt fails" in section
-    pids = _attempt_pids(reruns_2.path, "flaky")
-    assert [len(p) for p in pids.values()] == [2, 2]
-    assert len(set(pids[0] + pids[1])) == 4, pids  # every attempt in new processes
-
-
-def test_a_flaky_test_given_reruns_in_the_environment_passes_on_a_rerun(
-    pytester, monkeypatch, leftover_processes
-):
+@pytest.mark.parametrize("given", ["flag", "environment"])
+def test_a_flaky_test_passes_on_a_rerun_in_a_fresh_rank_set(pytester, monkeypatch, given, leftover_processes):
     pytester.makepyfile(test_reruns=RERUN_TESTS.format(root=str(pytester.path)))
-    monkeypatch.setenv("MFSDP_RERUNS", "2")  # the launched ranks inherit it, and must not refuse it
+    if given == "environment":
+        monkeypatch.setenv("MFSDP_RERUNS", "2")  # the launched ranks inherit it, and must not refuse it
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "-rP", "test_reruns.py::test_flaky", timeout=240
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        *(["--mfsdp-reruns=2"] if given == "flag" else []),
+        "-rP",
+        "test_reruns.py::test_flaky",
+        timeout=240,
     )
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
     out = result.stdout.str()
@@ -98,6 +56,7 @@ def test_a_flaky_test_given_reruns_in_the_environment_passes_on_a_rerun(
             "FLAKY test_reruns.py::test_flaky: passed on attempt 2 of 3, in a fresh rank set*",
         ]
     )
+    # the first failure stays visible: a section of the passing report, naming the first rank set
     result.stdout.fnmatch_lines(["*megatron-fsdp: attempt 1 of 3 failed (call; rank set batch1-world2)*"])
     assert "the first attempt fails" in out
     pids = _attempt_pids(pytester.path, "flaky")
@@ -106,21 +65,31 @@ def test_a_flaky_test_given_reruns_in_the_environment_passes_on_a_rerun(
     assert leftover_processes(pytester.path) == []
 
 
-def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(reruns_2):
-    out = reruns_2.out
-    reruns_2.result.stdout.fnmatch_lines(
+def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(pytester, leftover_processes):
+    pytester.makepyfile(test_reruns=RERUN_TESTS.format(root=str(pytester.path)))
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        "--mfsdp-reruns=2",
+        "test_reruns.py::test_never_rerun",
+        "test_reruns.py::test_always_fails",
+        timeout=300,
+    )
+    assert result.parseoutcomes() == {"failed": 2, "rerun": 2}
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(
         ["FAILED test_reruns.py::test_always_fails: failed all 3 attempts, each in a fresh rank set"]
     )
     assert "test_never_rerun: failed all" not in out
-    always = _attempt_pids(reruns_2.path, "always")
+    always = _attempt_pids(pytester.path, "always")
     assert [len(p) for p in always.values()] == [3, 3]
     assert len(set(always[0] + always[1])) == 6, always
-    assert [len(p) for p in _attempt_pids(reruns_2.path, "never").values()] == [1, 1]
+    assert [len(p) for p in _attempt_pids(pytester.path, "never").values()] == [1, 1]
     # the final failure carries the earlier two as sections
-    section = _section(out, "test_always_fails")
-    assert "attempt 3 fails too" in section
-    assert "megatron-fsdp: attempt 1 of 3 failed" in section, section
-    assert "megatron-fsdp: attempt 2 of 3 failed" in section, section
+    assert "attempt 3 fails too" in out
+    assert "megatron-fsdp: attempt 1 of 3 failed" in out and "megatron-fsdp: attempt 2 of 3 failed" in out
+    assert leftover_processes(pytester.path) == []
 
 
 def test_torchrun_mode_refuses_reruns_in_one_line(pytester, torchrun_pytest):
