@@ -1,5 +1,14 @@
-# pytest-megatron-fsdp: `make smoke` (the functional suite on 2 ranks), `make test` (everything).
-# Both create the virtualenv of the chosen stack when it is missing.
+# pytest-megatron-fsdp: `make smoke` (the functional suite on 2 ranks), `make test` (every tier but the
+# reproductions), `make unit` (the fast loop: in-process, no rank set). All create the virtualenv of
+# the chosen stack when it is missing.
+#
+# Test tiers (each a directory; `make <tier>` runs one):
+#   unit           tests/unit: in-process, no rank set, no pytest session in a subprocess
+#   integration    tests/integration + tests/selftest: real rank sets, pytester and torchrun sessions,
+#                  make, the wheel
+#   functional     tests/functional: the smoke suite users run
+#   reproductions  tests/reproductions: upstream bugs shown with torch alone; CI runs them, `make test`
+#                  does not
 #
 # Stacks (STACK=newest|floor; default: newest when a Python 3.12 is found, else floor):
 #   newest  Python 3.12 (on PATH, else the newest pyenv 3.12), megatron-core 0.19.2, torch 2.14.1, megatron-fsdp
@@ -47,8 +56,11 @@ VENV_FLAGS  ?=
 NPROC       ?= 2
 PYTEST_ARGS ?=
 # What `make test` / `make smoke` run (the repo's own by default).
-TESTS       ?= tests
-FUNCTIONAL  ?= tests/functional
+UNIT          ?= tests/unit
+INTEGRATION   ?= tests/integration tests/selftest
+FUNCTIONAL    ?= tests/functional
+REPRODUCTIONS ?= tests/reproductions
+TESTS         ?= $(UNIT) $(INTEGRATION) $(FUNCTIONAL)
 SEED_TEST   ?= tests/functional/test_megatron_fsdp.py
 
 PY       := $(VENV)/bin/python
@@ -64,7 +76,7 @@ TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_n
 SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) megatron-fsdp=$(MEGATRON_FSDP) \
 	extras=$(EXTRAS) flags=$(VENV_FLAGS)
 
-.PHONY: venv smoke test unit functional lint stack clean
+.PHONY: venv smoke test unit integration functional reproductions lint stack clean
 
 venv:
 	@test -n "$(PYTHON)" || { echo "make: no Python for STACK=$(STACK) (newest needs 3.12, floor 3.11); set PYTHON=..." >&2; exit 2; }
@@ -93,17 +105,24 @@ stack:
 smoke: venv
 	$(TORCHRUN) -m pytest $(FUNCTIONAL) -v $(PYTEST_ARGS)
 
-# Everything the repo tests, as plain pytest (the plugin launches the rank sets itself), then the
-# seed's smoke test once more under torchrun, the way GPU runners launch it.
+# The unit, integration and functional tiers in one plain pytest session, fastest first (the plugin
+# launches the rank sets itself), then the seed's smoke test once more under torchrun, the way GPU
+# runners launch it.
 test: venv
 	$(PYTEST) $(TESTS) $(PYTEST_ARGS)
 	$(TORCHRUN) -m pytest $(SEED_TEST) $(PYTEST_ARGS)
 
 unit: venv
-	$(PYTEST) tests/unit $(PYTEST_ARGS)
+	$(PYTEST) $(UNIT) $(PYTEST_ARGS)
+
+integration: venv
+	$(PYTEST) $(INTEGRATION) $(PYTEST_ARGS)
 
 functional: venv
 	$(PYTEST) $(FUNCTIONAL) $(PYTEST_ARGS)
+
+reproductions: venv
+	$(PYTEST) $(REPRODUCTIONS) $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

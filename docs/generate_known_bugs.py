@@ -14,7 +14,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "known-bugs.md"
 #: tests of the registry itself (version ranges, xfail wording), not tests that show a bug
-REGISTRY_TESTS = ("tests/unit/test_versions.py", "tests/unit/test_messages.py")
+REGISTRY_TESTS = (
+    "tests/unit/test_versions.py",
+    "tests/unit/test_messages.py",
+    "tests/integration/test_registry_sessions.py",
+)
 INTRO = """\
 # Known upstream bugs
 

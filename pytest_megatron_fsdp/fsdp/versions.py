@@ -532,7 +532,7 @@ SWIGLU_HANDLER_LOOKUP = KnownBug(
 GLOO_CONCURRENT_COALESCED_ALL_GATHERS = KnownBug(
     "upstream bug (measured on torch 2.13.0 and 2.14.1): concurrent asynchronous coalesced "
     "all-gathers on one gloo group corrupt the heap; no upstream report found; torch-only "
-    "reproduction: tests/unit/gloo_concurrent_all_gathers.py",
+    "reproduction: tests/reproductions/gloo_concurrent_all_gathers.py",
     fixed_in=None,
     package="torch",
 )

@@ -28,7 +28,7 @@ device arguments were all it took). This module gives them those meanings and no
   collectives run one at a time in issue order, as NCCL runs a communicator's. With torch's two
   threads per group, torch's gloo corrupts the heap when several asynchronous coalesced all-gathers
   are in flight on one group, as Megatron-FSDP's parameter prefetch issues them (torch 2.13 and 2.14;
-  torch-only reproduction: tests/unit/gloo_concurrent_all_gathers.py).
+  torch-only reproduction: tests/reproductions/gloo_concurrent_all_gathers.py).
 
 It is applied only in CPU ranks (the plugin calls :func:`enable` when the platform is ``cpu``),
 must be applied before ``megatron`` is imported (megatron binds ``torch.cuda._lazy_call`` by name at

@@ -49,6 +49,40 @@ _TORCHRUN_VARS = (
 )
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the agents of a multi-node torchrun meet (``--rdzv-backend=c10d``)."""
+
+    nodes: int
+    node_rank: int
+    endpoint: str
+    run_id: str
+
+
+def torchrun_command(nproc_per_node: int, *args: str, rendezvous: Rendezvous | None = None) -> list[str]:
+    """``python -m torch.distributed.run ... <args>`` with this interpreter: one node on a free loopback
+    port (``--standalone``, never a fixed 29500), or one agent of ``rendezvous``. The one place a
+    torchrun command line is written (the rank sets here; the repository's tests use it too)."""
+    if rendezvous is None:
+        launch = ["--standalone"]
+    else:
+        launch = [
+            f"--nnodes={rendezvous.nodes}",
+            f"--node_rank={rendezvous.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous.endpoint}",
+            f"--rdzv-id={rendezvous.run_id}",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launch,
+        f"--nproc_per_node={nproc_per_node}",
+        *args,
+    ]
+
+
 class RankSet:
     """``torchrun --standalone --nproc_per_node=N`` ranks that run pytest on a batch, and what they report.
 
@@ -72,19 +106,15 @@ class RankSet:
         self._batch_path = self.work_dir / "batch.txt"
         self._argv_path = self.work_dir / "argv.json"
         self.output_path = log_dir / "torchrun.log"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",  # rendezvous on a free loopback port, never a fixed 29500
-            f"--nproc_per_node={world_size}",
+        command = torchrun_command(
+            world_size,
             "--max-restarts=0",
             "-m",
             "pytest_megatron_fsdp.harness.rank_entry",
             str(self._argv_path),
             str(log_dir),
             str(os.getpid()),
-        ]
+        )
         overrides = env or {}
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
         env.update(overrides)

@@ -1,7 +1,10 @@
 """--mfsdp-set and --mfsdp-use-megatron-fsdp as users meet them: one-line usage errors at configure
-time, and precedence marker > command line > environment > ini (pytester, no torch)."""
+time, and precedence marker > command line > environment > ini (pytester sessions run in process,
+no torch, no rank)."""
 
 import pytest
+
+from pytest_megatron_fsdp.fsdp import versions
 
 SHOW = (
     "import pytest\n"
@@ -38,7 +41,7 @@ SHOW = (
 )
 def test_bad_config_option_is_one_usage_error_line(pytester, args, message):
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest_inprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert len([line for line in result.stderr.lines if line.strip()]) == 1, result.stderr.lines
@@ -48,12 +51,12 @@ def test_bad_env_and_ini_values_name_their_source(pytester, monkeypatch):
     pytester.makepyfile("def test_x(): pass")
     pytester.makeini("[pytest]\nmfsdp_set =\n    train.seed=1\n    model.preset=3x\n")
     monkeypatch.setenv("MFSDP_USE_MEGATRON_FSDP", "perhaps")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*environment variable MFSDP_USE_MEGATRON_FSDP: invalid value 'perhaps'*"])
     monkeypatch.delenv("MFSDP_USE_MEGATRON_FSDP")
     monkeypatch.setenv("MFSDP_SET", "train.seed=2;ddp.nope=1")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     result.stderr.fnmatch_lines(["*environment variable MFSDP_SET: invalid value 'ddp.nope=1'*"])
 
 
@@ -63,14 +66,14 @@ def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
     )
     pytester.makeconftest(SHOW)
     pytester.makepyfile("def test_x(): pass")
-    out = str(pytester.runpytest_subprocess("-s").stdout)
+    out = str(pytester.runpytest_inprocess("-s").stdout)
     assert "SET ['train.seed=1', 'train.train_iters=5']" in out and "USE False" in out
     monkeypatch.setenv("MFSDP_SET", "train.seed=2; ddp.overlap_param_gather=false")
     monkeypatch.setenv("MFSDP_USE_MEGATRON_FSDP", "true")
-    out = str(pytester.runpytest_subprocess("-s").stdout)
+    out = str(pytester.runpytest_inprocess("-s").stdout)
     assert "SET ['train.seed=2', 'ddp.overlap_param_gather=false']" in out and "USE True" in out
     out = str(
-        pytester.runpytest_subprocess(
+        pytester.runpytest_inprocess(
             "-s",
             "--mfsdp-set=train.seed=3",
             "--mfsdp-set",
@@ -92,14 +95,14 @@ def test_marker_wins_over_the_command_line(pytester):
         "    assert resolve(request.config, 'use-megatron-fsdp', kwargs['use_megatron_fsdp']) is True\n"
         "    assert resolve(request.config, 'set') == ('train.seed=3',)\n"
     )
-    result = pytester.runpytest_subprocess("--mfsdp-set=train.seed=3", "--mfsdp-use-megatron-fsdp=false")
+    result = pytester.runpytest_inprocess("--mfsdp-set=train.seed=3", "--mfsdp-use-megatron-fsdp=false")
     result.assert_outcomes(passed=1)
 
 
 def test_defaults_keep_megatron_fsdp_on_and_set_nothing(pytester):
     pytester.makeconftest(SHOW)
     pytester.makepyfile("def test_x(): pass")
-    out = str(pytester.runpytest_subprocess("-s").stdout)
+    out = str(pytester.runpytest_inprocess("-s").stdout)
     assert "SET []" in out and "USE True" in out
 
 
@@ -140,7 +143,7 @@ DISTRIBUTED_TEST = (
 def test_bad_config_values_are_refused_at_configure_time(pytester, args, message):
     """One line naming field, value and fix, and no rank set launched (the run ends in configure)."""
     pytester.makepyfile(DISTRIBUTED_TEST)
-    result = pytester.runpytest_subprocess(*args, "--mfsdp-log-dir=logs")
+    result = pytester.runpytest_inprocess(*args, "--mfsdp-log-dir=logs")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert len([line for line in result.stderr.lines if line.strip()]) == 1, result.stderr.lines
@@ -159,15 +162,46 @@ def test_configure_time_checks_accept_what_the_session_can_run(pytester):
         ["--mfsdp-platform=cpu", "--mfsdp-set=optimizer.lr=0"],
     ]
     for args in accepted:
-        result = pytester.runpytest_subprocess(*args)
+        result = pytester.runpytest_inprocess(*args)
         assert result.ret == pytest.ExitCode.OK, (args, result.stderr.lines)
 
 
 def test_a_configure_time_refusal_names_the_environment_as_its_source(pytester, monkeypatch):
     pytester.makepyfile("def test_x(): pass")
     monkeypatch.setenv("MFSDP_SET", "train.seed=2;checkpoint.ckpt_format=zarr")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["ERROR: environment variable MFSDP_SET: checkpoint.ckpt_format='zarr' with*"]
     )
+
+
+def test_hybrid_preset_is_checked_at_configure_time(pytester):
+    """--mfsdp-preset alone is validated before any rank: where megatron-core has no HybridModel,
+    one usage-error line naming the option, the field and the fix; where it has one, the run goes on."""
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_inprocess("--mfsdp-preset=tiny-hybrid")
+    problem = versions.hybrid_model_problem()
+    if problem is None:
+        assert result.ret == pytest.ExitCode.OK
+        return
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    lines = [line for line in result.stderr.lines if line.strip()]
+    assert lines == [
+        f"ERROR: --mfsdp-preset: model.hybrid_layer_pattern='*-*-': {problem}; set "
+        "model.hybrid_layer_pattern=None (a GPTModel)"
+    ]
+
+
+def test_v2_on_a_megatron_core_without_it_is_one_usage_error_line(pytester):
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_inprocess("--mfsdp-set=ddp.megatron_fsdp_version=2")
+    problem = versions.megatron_fsdp_v2_problem()
+    if problem is None:
+        assert result.ret == pytest.ExitCode.OK
+        return
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    lines = [line for line in result.stderr.lines if line.strip()]
+    assert lines == [
+        f"ERROR: --mfsdp-set: ddp.megatron_fsdp_version=2: {problem}; set ddp.megatron_fsdp_version=1"
+    ]

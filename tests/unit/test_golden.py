@@ -1,5 +1,6 @@
-"""Golden values (``reporting.golden``, ``--mfsdp-golden``): the compare rules in process, then one
-real 2-rank session that records, compares, and fails on a changed loss.
+"""Golden values (``reporting.golden``, ``--mfsdp-golden``): the compare rules in process (the
+real 2-rank session that records, compares and fails on a changed loss is
+tests/integration/test_golden_sessions.py).
 
 The rules are Megatron-LM's (tests/functional_tests/python_test_utils/common.py): exact on CPU
 ranks for lm loss and num-zeros, ``np.isclose(rtol, atol=0)`` on GPUs with up to
@@ -311,51 +312,17 @@ def test_only_the_writing_rank_records_and_gpu_runs_go_to_their_own_directory(tm
     assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*.json")] == [Path("s/cuda/t.py__t.json")]
 
 
-# -- the plugin: one real session --------------------------------------------------------------------
+# -- the plugin's options, in a session run in process (the real 2-rank session that records and
+# compares: tests/integration/test_golden_sessions.py) -----------------------------------------------
 
-TRAINS = """
+#: a distributed test file for the session to collect (it never runs: the session stops before)
+DISTRIBUTED = """
 import pytest
 
-pytestmark = pytest.mark.distributed(world_size=2)
-
-
+@pytest.mark.distributed(world_size=2)
 def test_trains(megatron_fsdp_run, run_config):
-    run_config.train.train_iters = 3
     megatron_fsdp_run(run_config).train()
-
-
-def test_trains_nothing(dist_env):
-    assert dist_env.world_size == 2
 """
-
-
-def test_a_session_records_compares_and_fails_on_a_changed_loss(pytester, isolated_tmp):
-    pytester.makepyfile(test_golden_runs=TRAINS)
-    args = ("-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--mfsdp-golden=golden")
-    recorded = pytester.runpytest_subprocess(*args, "--mfsdp-golden-mode=record", timeout=600)
-    recorded.assert_outcomes(passed=2)
-    files = sorted((pytester.path / "golden").rglob("*.json"))
-    assert [f.name for f in files] == ["test_golden_runs.py__test_trains.json"]  # no file: no runs
-    assert files[0].parent.name == "cpu"
-    document = json.loads(files[0].read_text())
-    assert sorted(document) == sorted(golden.METRICS)
-    for metric in golden.METRICS:
-        assert list(document[metric]["values"]) == ["1", "2", "3"]
-    assert all(v > 2**20 for v in document["mem-allocated-bytes"]["values"].values())
-
-    pytester.runpytest_subprocess(*args, timeout=600).assert_outcomes(passed=2)  # compare: the default
-
-    loss = document["lm loss"]["values"]["2"]
-    document["lm loss"]["values"]["2"] = math.nextafter(loss, math.inf)
-    files[0].write_text(json.dumps(document))
-    changed = pytester.runpytest_subprocess(*args, timeout=600)
-    changed.assert_outcomes(passed=1, failed=1)
-    changed.stdout.fnmatch_lines(
-        [
-            f"golden values differ from {files[0]} (exact on CPU ranks*",
-            f"lm loss step 2: expected {math.nextafter(loss, math.inf)!r}, actual {loss!r} (exact)",
-        ]
-    )
 
 
 @pytest.mark.parametrize(
@@ -365,16 +332,16 @@ def test_a_session_records_compares_and_fails_on_a_changed_loss(pytester, isolat
 def test_compare_mode_without_the_directory_is_one_usage_line(
     pytester, isolated_tmp, monkeypatch, how, source
 ):
-    pytester.makepyfile(test_golden_runs=TRAINS)
+    pytester.makepyfile(test_golden_runs=DISTRIBUTED)
     args = ["-p", "no:cacheprovider"]
     if how == "flag":
         args.append("--mfsdp-golden=nowhere")
     else:
         monkeypatch.setenv("MFSDP_GOLDEN", "nowhere")
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest_inprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{source}: no such directory; record golden values first*"])
     assert "Traceback" not in result.stderr.str()
     # record mode makes the directory: no refusal (nothing trains here: --co)
-    result = pytester.runpytest_subprocess(*args, "--mfsdp-golden-mode=record", "--co", "-q")
+    result = pytester.runpytest_inprocess(*args, "--mfsdp-golden-mode=record", "--co", "-q")
     assert result.ret == pytest.ExitCode.OK

@@ -132,34 +132,3 @@ def test_feature_checks_import_no_megatron():
         "assert 'megatron.core' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_hybrid_preset_is_checked_at_configure_time(pytester):
-    """--mfsdp-preset alone is validated before any rank: where megatron-core has no HybridModel,
-    one usage-error line naming the option, the field and the fix; where it has one, the run goes on."""
-    pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess("--mfsdp-preset=tiny-hybrid")
-    problem = versions.hybrid_model_problem()
-    if problem is None:
-        assert result.ret == pytest.ExitCode.OK
-        return
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    lines = [line for line in result.stderr.lines if line.strip()]
-    assert lines == [
-        f"ERROR: --mfsdp-preset: model.hybrid_layer_pattern='*-*-': {problem}; set "
-        "model.hybrid_layer_pattern=None (a GPTModel)"
-    ]
-
-
-def test_v2_on_a_megatron_core_without_it_is_one_usage_error_line(pytester):
-    pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess("--mfsdp-set=ddp.megatron_fsdp_version=2")
-    problem = versions.megatron_fsdp_v2_problem()
-    if problem is None:
-        assert result.ret == pytest.ExitCode.OK
-        return
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    lines = [line for line in result.stderr.lines if line.strip()]
-    assert lines == [
-        f"ERROR: --mfsdp-set: ddp.megatron_fsdp_version=2: {problem}; set ddp.megatron_fsdp_version=1"
-    ]

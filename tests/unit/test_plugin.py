@@ -1,34 +1,9 @@
-"""The plugin as users meet it: options, errors on bad input, markers, and a light entry module."""
-
-import subprocess
-import sys
+"""The plugin as users meet it: options, errors on bad input and markers, each in a pytest session run
+in process (pytester's ``runpytest_inprocess``: no rank starts, the run ends at configure or
+collection). Its light entry module: tests/unit/test_plugin_imports.py; sessions of their own process
+(the entry point, a torchrun rank's environment): tests/integration/test_plugin_sessions.py."""
 
 import pytest
-
-
-def as_torchrun_rank(monkeypatch, world_size=2, rank=0):
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("LOCAL_RANK", str(rank))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world_size))
-
-
-def test_loading_the_plugin_imports_neither_torch_nor_megatron():
-    code = (
-        "import sys, pytest_megatron_fsdp.plugin, pytest_megatron_fsdp\n"
-        # what test modules import at collection time, which the plain-mode parent also does
-        "from pytest_megatron_fsdp import TrainResult, assert_last_loss_finite, assert_loss_decreased\n"
-        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')]\n"
-        "print(heavy)\n"
-        "assert not heavy\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
-
-
-def test_plugin_is_registered_through_its_entry_point(pytester):
-    result = pytester.runpytest_subprocess("--help")
-    result.stdout.fnmatch_lines(["*Megatron-FSDP distributed testing*", "*--mfsdp-platform=*"])
 
 
 @pytest.mark.parametrize(
@@ -51,7 +26,7 @@ def test_plugin_is_registered_through_its_entry_point(pytester):
 )
 def test_bad_option_value_is_one_clear_line(pytester, args, message):
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest_inprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 
@@ -59,7 +34,7 @@ def test_bad_option_value_is_one_clear_line(pytester, args, message):
 def test_bad_environment_value_names_the_variable(pytester, monkeypatch):
     monkeypatch.setenv("MFSDP_PRESET", "gpt5")
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["*environment variable MFSDP_PRESET: invalid value 'gpt5'*choose one of: bridge-reference, tiny*"]
@@ -69,14 +44,14 @@ def test_bad_environment_value_names_the_variable(pytester, monkeypatch):
 def test_bad_ini_value_names_the_key(pytester):
     pytester.makeini("[pytest]\nmfsdp_platform = tpu\n")
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*ini option mfsdp_platform: invalid value 'tpu'*"])
 
 
 def test_option_typo_is_rejected(pytester):
     pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess("--mfsdp-platfrom=cpu")
+    result = pytester.runpytest_inprocess("--mfsdp-platfrom=cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*unrecognized arguments: --mfsdp-platfrom=cpu*"])
 
@@ -89,69 +64,88 @@ def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
         "    print('PG_TIMEOUT', resolve(config, 'pg-timeout'))\n"
     )
     pytester.makepyfile("def test_x(): pass")
-    assert "PG_TIMEOUT 11.0" in str(pytester.runpytest_subprocess("-s").stdout)
+    assert "PG_TIMEOUT 11.0" in str(pytester.runpytest_inprocess("-s").stdout)
     monkeypatch.setenv("MFSDP_PG_TIMEOUT", "22")
-    assert "PG_TIMEOUT 22.0" in str(pytester.runpytest_subprocess("-s").stdout)
-    assert "PG_TIMEOUT 33.0" in str(pytester.runpytest_subprocess("-s", "--mfsdp-pg-timeout=33").stdout)
+    assert "PG_TIMEOUT 22.0" in str(pytester.runpytest_inprocess("-s").stdout)
+    assert "PG_TIMEOUT 33.0" in str(pytester.runpytest_inprocess("-s", "--mfsdp-pg-timeout=33").stdout)
 
 
 def test_bad_marker_arguments_are_a_usage_error(pytester):
     pytester.makepyfile("import pytest\n@pytest.mark.distributed(world=2)\ndef test_x(): pass\n")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*bad @pytest.mark.distributed arguments*world*"])
 
 
 def test_marker_world_size_must_be_positive(pytester):
     pytester.makepyfile("import pytest\n@pytest.mark.distributed(world_size=0)\ndef test_x(): pass\n")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*world_size=0 must be a positive integer*"])
 
 
-def test_other_world_size_under_torchrun_is_skipped_with_reason(pytester, monkeypatch):
-    as_torchrun_rank(monkeypatch, world_size=1)
-    pytester.makepyfile(
-        "import pytest\n"
-        "@pytest.mark.distributed(world_size=2)\ndef test_two(): pass\n"
-        "def test_plain(): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-rs", "--mfsdp-platform=cpu")
-    result.assert_outcomes(passed=1, skipped=1)
-    result.stdout.fnmatch_lines(["*needs world_size=2; this torchrun session has 1 ranks*"])
-
-
-def test_cuda_platform_without_gpus_is_an_error_not_a_fallback(pytester, monkeypatch):
-    as_torchrun_rank(monkeypatch, world_size=2)
-    pytester.makepyfile("def test_x(): pass")
-    result = pytester.runpytest_subprocess("--mfsdp-platform=cuda")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(
-        [
-            "*--mfsdp-platform=cuda needs one GPU per local rank: "
-            "2 ranks on this node but 0 CUDA device(s) visible*"
-        ]
-    )
-
-
 def test_dist_env_without_marker_fails_with_instructions(pytester):
     pytester.makepyfile("def test_x(dist_env): pass")
-    result = pytester.runpytest_subprocess()
+    result = pytester.runpytest_inprocess()
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*mark the test @pytest.mark.distributed(world_size=N)*"])
 
 
-def test_auto_platform_without_gpu_device_nodes_needs_no_torch_import():
-    # The plain-mode parent decides the platform; on a machine with no GPU device node that costs
-    # no torch import. (A GPU machine takes the torch path, also checked.)
-    code = (
-        "import glob, sys\n"
-        "from pytest_megatron_fsdp.harness.platform import _GPU_DEVICE_NODES, select_platform\n"
-        "nodes = any(glob.glob(p) for p in _GPU_DEVICE_NODES)\n"
-        "choice = select_platform('auto', 2)\n"
-        "assert ('torch' in sys.modules) == nodes  # torch is asked only where a GPU may be\n"
-        "if not nodes:\n"
-        "    assert (choice.platform, choice.reason) == ('cpu', 'auto: no CUDA device'), choice\n"
+def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
+    pytester.makeini("[pytest]\nmfsdp_timeout = 40\n")
+    pytester.makeconftest(
+        "import pytest\n"
+        "from pytest_megatron_fsdp.harness.protocol import spec_of\n"
+        "@pytest.hookimpl(trylast=True)\n"
+        "def pytest_collection_modifyitems(items):\n"
+        "    for item in items:\n"
+        "        print('TIMEOUT', item.name, spec_of(item).timeout_s)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.mark.distributed(world_size=2, timeout=7)\n"
+        "def test_marked(): pass\n"
+        "@pytest.mark.distributed(world_size=2)\n"
+        "def test_unmarked(): pass\n"
+    )
+
+    def timeouts(*args):
+        out = pytester.runpytest_inprocess("--collect-only", "-s", *args).stdout.str()
+        return [line.split()[1:] for line in out.splitlines() if line.startswith("TIMEOUT")]
+
+    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "40.0"]]
+    monkeypatch.setenv("MFSDP_TIMEOUT", "30")
+    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "30.0"]]
+    assert timeouts("--mfsdp-timeout=20") == [["test_marked", "7.0"], ["test_unmarked", "20.0"]]
+
+
+def _sees_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """The session (run in this process) sees ``n`` GPUs; no rank is launched in these tests."""
+    from pytest_megatron_fsdp.harness import platform
+
+    monkeypatch.setattr(platform, "visible_gpu_count", lambda fast=False: n)
+
+
+def test_too_few_gpus_skips_with_what_is_missing(pytester, monkeypatch):
+    _sees_gpus(monkeypatch, 1)  # this parent sees one GPU
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
+    )
+    result = pytester.runpytest_inprocess("-rs", "-p", "no:cacheprovider", "--mfsdp-platform=cuda")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs 2 GPUs (world_size=2, --mfsdp-platform=cuda); 1 visible*"])
+
+
+def test_auto_platform_with_too_few_gpus_says_why_it_uses_cpu(pytester, monkeypatch):
+    _sees_gpus(monkeypatch, 1)
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
+    )
+    result = pytester.runpytest_inprocess("--collect-only", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(
+        [
+            "*world_size=2 -> platform=cpu, backend=gloo "
+            "(auto: only 1 GPU(s) for 2 local ranks, so CPU ranks; "
+            "--mfsdp-platform=cuda makes that an error)*"
+        ]
+    )

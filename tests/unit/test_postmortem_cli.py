@@ -256,7 +256,9 @@ def test_stacks_shows_each_ranks_dump_with_why(tmp_path):
     lines = out.splitlines()
     assert lines[1] == f"rank 0: 1 stack dump in {run_dir / 'rank0.log'}"
     assert lines[2] == f"  {banner}"
-    assert lines[3].startswith("  Current thread 0x")
+    # the dump's own first line (another thread's, where earlier tests left threads running)
+    assert lines[3] == f"  {dump.splitlines()[0]}"
+    assert any(line.startswith("  Current thread 0x") for line in lines)
     assert "test_stacks_shows_each_ranks_dump_with_why" in out  # this test's frame, from the dump
     assert "after" not in lines  # the dump ends where faulthandler's output does
     assert f"rank 1: no stack dump in {run_dir / 'rank1.log'}" in lines

@@ -4,11 +4,12 @@ parameter prefetch issues them (``optim_grads_params``), with every result check
 Run on its own under torchrun (torch alone, torch's own gloo groups)::
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \\
-        tests/unit/gloo_concurrent_all_gathers.py [ITERATIONS]
+        tests/reproductions/gloo_concurrent_all_gathers.py [ITERATIONS]
 
 With torch 2.13.0 and 2.14.1 a rank dies of heap corruption within a few thousand iterations
 (``malloc(): unaligned tcache chunk detected``, SIGSEGV or SIGABRT); with one gloo worker thread per
-group (what the CPU emulation sets) it prints ``ok`` on every rank. test_gloo_in_order.py runs both.
+group (what the CPU emulation sets) it prints ``ok`` on every rank. test_gloo_concurrent_all_gathers.py
+(torch's groups) and tests/integration/test_cpu_ranks.py (the CPU ranks' groups) run it.
 """
 
 from __future__ import annotations

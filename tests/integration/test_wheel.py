@@ -116,17 +116,6 @@ def test_the_wheel_metadata(wheel: Path) -> None:
     assert "xdist" in meta.get_all("Provides-Extra")
 
 
-def test_the_dev_extra_and_the_dev_group_list_the_same_tools() -> None:
-    """`pip install -e '.[dev]'` (what make installs) and `pip install --group dev` give the same tools."""
-    tomllib = pytest.importorskip("tomllib", reason="Python 3.10 has no tomllib")
-    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
-    extra = project["project"]["optional-dependencies"]["dev"]
-    group = project["dependency-groups"]["dev"]
-    assert sorted(map(str, map(Requirement, extra))) == sorted(map(str, map(Requirement, group)))
-    # the Makefile's `wheel` target and this file's build need these
-    assert {"build", "twine", "setuptools"} <= {Requirement(r).name for r in group}
-
-
 def _requirement_closure(requirements: list[Requirement]) -> list[importlib.metadata.Distribution]:
     """The installed distributions ``requirements`` need, followed through their own requirements
     (markers evaluated for this interpreter, extras followed where requested)."""

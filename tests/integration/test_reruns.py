@@ -92,35 +92,6 @@ def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(p
     assert leftover_processes(pytester.path) == []
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (
-            ["--mfsdp-reruns=-1"],
-            "--mfsdp-reruns: invalid value '-1' for --mfsdp-reruns: must be a whole number",
-        ),
-        (
-            ["--mfsdp-reruns=two"],
-            "--mfsdp-reruns: invalid value 'two' for --mfsdp-reruns: must be a whole number",
-        ),
-    ],
-)
-def test_a_bad_reruns_value_is_one_line(pytester, args, message):
-    pytester.makepyfile("def test_nothing(): pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=60)
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert result.stderr.lines[0].startswith(f"ERROR: {message}"), result.stderr.lines
-
-
-def test_a_bad_marker_reruns_is_one_line(pytester):
-    pytester.makepyfile(
-        "import pytest\n@pytest.mark.distributed(world_size=2, reruns=True)\ndef test_x(): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=60)
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "reruns=True must be a whole number, 0 or more" in result.stderr.str()
-
-
 def test_torchrun_mode_refuses_reruns_in_one_line(pytester, torchrun_pytest):
     pytester.makepyfile("import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_x(dist_env): pass\n")
     result = pytester.run(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-WITHOUT_TORCH = Path(__file__).with_name("postmortem_without_torch.py")
+WITHOUT_TORCH = Path(__file__).parents[1] / "unit" / "postmortem_without_torch.py"
 
 STUCK = """
 import time

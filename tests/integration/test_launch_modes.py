@@ -1,4 +1,5 @@
-"""The ways users launch the suite: pytest-xdist, multi-node torchrun, and timeout precedence."""
+"""The ways users launch the suite: pytest-xdist, multi-node torchrun, -x, and a local test after a
+distributed one (timeout precedence and GPU counts, read in process: tests/unit/test_plugin.py)."""
 
 import json
 import os
@@ -7,6 +8,10 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import pytest
+
+from pytest_megatron_fsdp.harness.launcher import Rendezvous, torchrun_command
 
 
 def test_under_xdist_each_worker_launches_its_own_rank_sets(pytester):
@@ -77,20 +82,12 @@ def test_ranks_and_shared_dir(dist_env):
 """
     )
     port = _free_port()
-    env = dict(os.environ)  # plain: tests/unit/conftest.py removed torchrun variables
+    env = dict(os.environ)  # plain: tests/conftest.py's plain_environment removed torchrun variables
     env["SHARED"] = str(shared)
     agents = [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                "--nproc_per_node=1",
-                f"--node_rank={node}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                "--rdzv-id=mfsdp-two-nodes",
+                *torchrun_command(1, rendezvous=Rendezvous(2, node, f"127.0.0.1:{port}", "mfsdp-two-nodes")),
                 "--max-restarts=0",
                 "-m",
                 "pytest",
@@ -119,93 +116,10 @@ def test_ranks_and_shared_dir(dist_env):
     assert list(shared.iterdir()) == []  # the session's private subdirectory is gone
 
 
-def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
-    pytester.makeini("[pytest]\nmfsdp_timeout = 40\n")
-    pytester.makeconftest(
-        "import pytest\n"
-        "from pytest_megatron_fsdp.harness.protocol import spec_of\n"
-        "@pytest.hookimpl(trylast=True)\n"
-        "def pytest_collection_modifyitems(items):\n"
-        "    for item in items:\n"
-        "        print('TIMEOUT', item.name, spec_of(item).timeout_s)\n"
-    )
-    pytester.makepyfile(
-        "import pytest\n"
-        "@pytest.mark.distributed(world_size=2, timeout=7)\n"
-        "def test_marked(): pass\n"
-        "@pytest.mark.distributed(world_size=2)\n"
-        "def test_unmarked(): pass\n"
-    )
-
-    def timeouts(*args):
-        out = pytester.runpytest_subprocess("--collect-only", "-s", *args).stdout.str()
-        return [line.split()[1:] for line in out.splitlines() if line.startswith("TIMEOUT")]
-
-    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "40.0"]]
-    monkeypatch.setenv("MFSDP_TIMEOUT", "30")
-    assert timeouts() == [["test_marked", "7.0"], ["test_unmarked", "30.0"]]
-    assert timeouts("--mfsdp-timeout=20") == [["test_marked", "7.0"], ["test_unmarked", "20.0"]]
-
-
-# A parent session that sees n GPUs (no rank is launched in these tests, so only the parent needs it).
-FAKE_GPUS = """
-from pytest_megatron_fsdp.harness import platform
-platform.visible_gpu_count = lambda fast=False: {n}
-"""
-
-
-def test_too_few_gpus_skips_with_what_is_missing(pytester):
-    pytester.makeconftest(FAKE_GPUS.format(n=1))  # this parent sees one GPU
-    pytester.makepyfile(
-        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider", "--mfsdp-platform=cuda")
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*needs 2 GPUs (world_size=2, --mfsdp-platform=cuda); 1 visible*"])
-
-
-def test_auto_platform_with_too_few_gpus_says_why_it_uses_cpu(pytester):
-    pytester.makeconftest(FAKE_GPUS.format(n=1))
-    pytester.makepyfile(
-        "import pytest\n@pytest.mark.distributed(world_size=2)\ndef test_two(dist_env): pass\n"
-    )
-    result = pytester.runpytest_subprocess("--collect-only", "-p", "no:cacheprovider")
-    result.stdout.fnmatch_lines(
-        [
-            "*world_size=2 -> platform=cpu, backend=gloo "
-            "(auto: only 1 GPU(s) for 2 local ranks, so CPU ranks; "
-            "--mfsdp-platform=cuda makes that an error)*"
-        ]
-    )
-
-
-def test_exitfirst_stops_the_batch_and_leaves_no_rank_behind(pytester, isolated_tmp, leftover_processes):
-    pytester.makepyfile(
-        test_x="""
-import pytest
-@pytest.mark.distributed(world_size=2)
-def test_first_fails(dist_env):
-    assert False, "stop here"
-@pytest.mark.distributed(world_size=2)
-@pytest.mark.parametrize("i", range(3))
-def test_never_reached(dist_env, i):
-    pass
-"""
-    )
-    result = pytester.runpytest_subprocess(
-        "-x", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120
-    )
-    result.assert_outcomes(failed=1)
-    assert leftover_processes(pytester.path) == []  # the rank set that was still running the batch is gone
-    # only the rank logs stay (kept on purpose: failure reports point at them; no cache dir here)
-    assert [p.name for p in isolated_tmp.iterdir()] == ["mfsdp-logs"]
-
-
-def test_a_local_test_after_a_distributed_one_in_another_module_runs(pytester):
-    """The parent's setup state moves on past a distributed test (whose teardown ran in its ranks):
-    the module fixture of the local test before it is torn down, and the next module's test runs."""
-    pytester.makepyfile(
-        test_a="""
+#: a module fixture torn down when the session moves on past a distributed test, and a local test
+#: in the next module; then (test_x.py) a batch that -x stops at its first test
+LOCAL_AFTER_DISTRIBUTED = {
+    "test_a.py": """
 import pytest
 @pytest.fixture(scope="module")
 def mod():
@@ -217,13 +131,40 @@ def test_local(mod):
 def test_dist(dist_env):
     assert dist_env.world_size == 2
 """,
-        test_b="def test_after():\n    pass\n",
-    )
-    result = pytester.runpytest_subprocess(
-        "-s", "-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=120
-    )
-    result.assert_outcomes(passed=3)
-    result.stdout.fnmatch_lines(["*TORN DOWN mod*"])
+    "test_b.py": "def test_after():\n    pass\n",
+    "test_x.py": """
+import pytest
+@pytest.mark.distributed(world_size=2)
+def test_first_fails(dist_env):
+    assert False, "stop here"
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("i", range(3))
+def test_never_reached(dist_env, i):
+    pass
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def exitfirst_session(run_scenario):
+    return run_scenario("exitfirst", LOCAL_AFTER_DISTRIBUTED, "-x", "-s", "--mfsdp-platform=cpu", timeout=120)
+
+
+def test_exitfirst_stops_the_batch_and_leaves_no_rank_behind(exitfirst_session):
+    # test_a.py and test_b.py pass; test_x.py's batch stops at its first test
+    exitfirst_session.result.assert_outcomes(passed=3, failed=1)
+    assert "test_never_reached" not in exitfirst_session.out
+    assert exitfirst_session.leftovers == []  # the rank set that was still running the batch is gone
+    # only the rank logs stay (kept on purpose: failure reports point at them; no cache dir here)
+    assert {name.split("/")[0] for name in exitfirst_session.tmp_left} == {"mfsdp-logs"}
+
+
+def test_a_local_test_after_a_distributed_one_in_another_module_runs(exitfirst_session):
+    """The parent's setup state moves on past a distributed test (whose teardown ran in its ranks):
+    the module fixture of the local test before it is torn down, and the next module's test runs."""
+    exitfirst_session.result.stdout.fnmatch_lines(["*TORN DOWN mod*"])
+    # test_a.py's two tests and test_b.py's (test_x.py's first test fails)
+    exitfirst_session.result.assert_outcomes(passed=3, failed=1)
 
 
 REPO = Path(__file__).resolve().parents[2]

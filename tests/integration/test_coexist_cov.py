@@ -1,6 +1,6 @@
 """``pytest --cov=PKG`` (pytest-cov 7) in a project with no coverage configuration at all: the code
 the launched ranks run is counted. pytest-cov 7 no longer hands its measurement to subprocesses
-(coverage's ``patch = ["subprocess"]`` does, where a project sets it: tests/unit/test_coverage.py);
+(coverage's ``patch = ["subprocess"]`` does, where a project sets it: tests/integration/test_coverage.py);
 the plugin hands the running measurement to the rank sets it launches itself.
 """
 

@@ -6,9 +6,6 @@ file per process), ranks ended by the timeout watchdog included (it saves their 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -121,28 +118,3 @@ def test_a_rank_ended_by_the_watchdog_keeps_its_data(pytester, isolated_tmp):
     # each rank ran its own way into the hang, and was then ended by os._exit on its watchdog
     assert _lines(source, 'return "zero hangs"')[0] in measured["executed_lines"]
     assert _lines(source, 'return "other hangs"')[0] in measured["executed_lines"]
-
-
-def test_save_coverage_imports_nothing_and_saves_a_running_measurement(monkeypatch):
-    from pytest_megatron_fsdp.harness.rank import save_coverage
-
-    # without a measurement: coverage is not imported to find out (a process of its own, none running)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
-    check = (
-        "import sys; from pytest_megatron_fsdp.harness.rank import save_coverage; "
-        "assert save_coverage() is False; assert 'coverage' not in sys.modules, 'imported'"
-    )
-    subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=120)
-    import coverage
-
-    monkeypatch.setattr(coverage.Coverage, "current", classmethod(lambda cls: None))
-    assert save_coverage() is False
-
-    saved: list[str] = []
-
-    class Running:
-        def save(self) -> None:
-            saved.append("saved")
-
-    monkeypatch.setattr(coverage.Coverage, "current", classmethod(lambda cls: Running()))
-    assert save_coverage() is True and saved == ["saved"]

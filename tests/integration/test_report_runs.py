@@ -159,7 +159,7 @@ def test_plain_mode_report_junit_and_summary(pytester):
 def test_torchrun_mode_report_junit_and_summary(pytester, torchrun_pytest):
     pytester.makepyfile(test_runs=RUNS)
     # Environment, not flag, for the report: the options registry's env route, as CI would set it.
-    env = dict(os.environ)  # plain: tests/unit/conftest.py removed torchrun variables
+    env = dict(os.environ)  # plain: tests/conftest.py's plain_environment removed torchrun variables
     env["MFSDP_REPORT_JSON"] = "out/report.json"
     done = subprocess.run(
         torchrun_pytest("-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--junitxml=out/junit.xml"),

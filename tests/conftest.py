@@ -1,0 +1,223 @@
+"""What the unit, integration and reproduction tiers share: a plain environment, a private ``$TMPDIR``,
+the processes a test left running, and the torchrun command line. The functional suite uses none
+of it (its ranks load this file too, so it imports nothing heavy).
+
+A plain environment: not a torchrun rank or srun task, no MFSDP_* settings, not CI, pytest-randomly
+off (``PYTEST_ADDOPTS``), no pytest-timeout from the environment. The tests launch pytest and
+torchrun themselves; a torchrun or Slurm variable (a CI runner that is a Slurm job) or an MFSDP_*
+option inherited from the caller's shell would change what those sessions do, and ``CI`` or
+``BUILD_NUMBER`` (set by CI services) makes pytest print its short summary untrimmed: the sessions
+print the same on a laptop and on CI, and a test that is about CI output sets ``CI``. Each tier's
+conftest.py makes ``plain_environment`` autouse.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PYTEST_CI_VARS = ("CI", "BUILD_NUMBER")
+
+
+#: pytest-timeout's environment setting; PYTEST_ADDOPTS is set anew (INNER_ADDOPTS)
+PYTEST_PLUGIN_VARS = ("PYTEST_TIMEOUT", "PYTEST_ADDOPTS")
+#: pytest-randomly (in the dev extra) off in every session a test starts, as in this suite itself
+#: (pyproject's addopts): their expected output follows file order. The test_coexist_* tests turn it
+#: on where they test it (``-p randomly``).
+INNER_ADDOPTS = "-p no:randomly"
+
+
+def is_plain(name: str) -> bool:
+    """Whether the environment variable ``name`` stays in a plain environment."""
+    return not (
+        name in TORCHRUN_VARS
+        or name in PYTEST_CI_VARS
+        or name in PYTEST_PLUGIN_VARS
+        or name.startswith(("MFSDP_", "SLURM_"))
+    )
+
+
+def plain_environ(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A copy of ``environ`` without torchrun or Slurm variables, MFSDP_* settings, CI markers and
+    pytest-timeout's setting, with pytest-randomly off (:data:`INNER_ADDOPTS`)."""
+    plain = {name: value for name, value in environ.items() if is_plain(name)}
+    plain["PYTEST_ADDOPTS"] = INNER_ADDOPTS
+    return plain
+
+
+@pytest.fixture
+def plain_environment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # first: it empties PYTEST_ADDOPTS as it starts
+    for name in list(os.environ):
+        if not is_plain(name):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("PYTEST_ADDOPTS", INNER_ADDOPTS)
+
+
+@pytest.fixture
+def isolated_tmp(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ``$TMPDIR`` of the test's own for the sessions it launches: what they leave there is seen."""
+    tmp = pytester.path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
+
+
+def running_under(path: Path) -> list[str]:
+    """The processes still running whose command line names ``path`` (a test's directory): the
+    torchrun agents and ranks of the sessions it launched (``pid: command line`` each)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # it ended meanwhile
+        if str(path) in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+@pytest.fixture
+def leftover_processes() -> Callable[[Path], list[str]]:
+    """:func:`running_under` as a fixture."""
+    return running_under
+
+
+def torchrun_pytest_command(*pytest_args: str, nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc_per_node=N -m pytest <args>``: a
+    torchrun-mode session on one node, with this interpreter (the harness's own command builder)."""
+    from pytest_megatron_fsdp.harness.launcher import torchrun_command
+
+    return torchrun_command(nproc, "-m", "pytest", *pytest_args)
+
+
+@pytest.fixture
+def torchrun_pytest() -> Callable[..., list[str]]:
+    """The command line of a torchrun-mode pytest session (see :func:`torchrun_pytest_command`)."""
+    return torchrun_pytest_command
+
+
+@dataclass
+class Scenario:
+    """One pytest session run for many assertions (a module-scoped fixture runs it once): its
+    directory, its result (``stdout``, ``assert_outcomes``, ``ret``), and what it left behind."""
+
+    path: Path
+    result: pytest.RunResult
+    #: processes still running after the session whose command line names ``path``
+    leftovers: list[str] = field(default_factory=list)
+    #: what the session left in its own ``$TMPDIR`` (``path / "tmp"``)
+    tmp_left: list[str] = field(default_factory=list)
+
+    @property
+    def out(self) -> str:
+        return self.result.stdout.str()
+
+    @property
+    def junit(self) -> ET.Element:
+        """The ``<testsuite>`` of ``junit.xml`` (the session must be run with ``--junitxml=junit.xml``)."""
+        root = ET.parse(self.path / "junit.xml").getroot()
+        return root if root.tag == "testsuite" else root[0]
+
+    def junit_case(self, name: str) -> ET.Element:
+        """The JUnit ``<testcase>`` named ``name``."""
+        cases = [case for case in self.junit.iter("testcase") if case.get("name") == name]
+        assert len(cases) == 1, [case.get("name") for case in self.junit.iter("testcase")]
+        return cases[0]
+
+    def json_report(self, name: str = "report.json") -> Any:
+        return json.loads((self.path / name).read_text())
+
+    @property
+    def logs(self) -> Path:
+        """The rank logs (the session must be run with ``--mfsdp-log-dir=logs``)."""
+        return self.path / "logs"
+
+
+def run_pytest_session(
+    path: Path,
+    files: Mapping[str, str],
+    *args: str,
+    torchrun: bool = False,
+    nproc: int = 2,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+) -> Scenario:
+    """Writes ``files`` (name -> text) into ``path`` and runs pytest there once: plain (the plugin
+    launches the rank sets) or under torchrun (``nproc`` ranks), as pytester's
+    ``runpytest_subprocess`` would (a plain environment, ``path`` on ``PYTHONPATH``, a basetemp and a
+    ``$TMPDIR`` of its own, no colour). A session still running after ``timeout`` seconds is killed
+    with all its processes and fails the test."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (path / name).write_text(text)
+    tmp = path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    environ = plain_environ()
+    environ.update(PY_COLORS="0", TMPDIR=str(tmp), HOME=str(path))
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH", "")]))
+    environ.update(env or {})
+    pytest_args = ["-p", "no:cacheprovider", f"--basetemp={path / 'basetemp'}", *args]
+    command = (
+        torchrun_pytest_command(*pytest_args, nproc=nproc)
+        if torchrun
+        else [sys.executable, "-m", "pytest", *pytest_args]
+    )
+    started = time.monotonic()
+    with subprocess.Popen(
+        command,
+        cwd=path,
+        env=environ,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            for line in running_under(path):
+                os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
+            pytest.fail(f"the session in {path} ran past {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    result = pytest.RunResult(proc.returncode, out.splitlines(), err.splitlines(), time.monotonic() - started)
+    return Scenario(
+        path=path,
+        result=result,
+        leftovers=running_under(path),
+        tmp_left=sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*")),
+    )
+
+
+@pytest.fixture(scope="session")
+def run_scenario(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Scenario]:
+    """``run_scenario(name, files, *args, torchrun=False, nproc=2, env=None, timeout=300)``: one
+    session in a fresh directory named after ``name`` (see :func:`run_pytest_session`), for a
+    module-scoped fixture whose result many tests read. ``files`` may be a function of that
+    directory (for tests that write there by absolute path)."""
+
+    def run(
+        name: str, files: Mapping[str, str] | Callable[[Path], Mapping[str, str]], *args: str, **options: Any
+    ) -> Scenario:
+        path = tmp_path_factory.mktemp(name, numbered=True)
+        return run_pytest_session(path, files(path) if callable(files) else files, *args, **options)
+
+    return run
