@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,13 +58,19 @@ def plain_environ(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 
 
 @pytest.fixture
-def plain_environment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def plain_environment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester")  # first: it empties PYTEST_ADDOPTS as it starts
     for name in list(os.environ):
         if not is_plain(name):
             monkeypatch.delenv(name)
     monkeypatch.setenv("PYTEST_ADDOPTS", INNER_ADDOPTS)
+    # an in-process session may set variables for its process (a rank's TORCHINDUCTOR_CACHE_DIR):
+    # gone after the test, so no later session inherits them
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture

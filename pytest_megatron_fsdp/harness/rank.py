@@ -297,7 +297,7 @@ class RankPlugin:
     ) -> None:
         """The checks fixtures registered for after the test (``RankSession.after_test``); a problem
         fails the test's teardown report (or joins it as a section when teardown already failed)."""
-        _release_failed_test_frames()
+        _release_failed_test_frames(item)
         # The next test's meshes may compare equal to this one's, over other groups (a changed
         # model-parallel layout, a renewed process group): no cached sharding may carry this one's.
         forget_dtensor_shardings()
@@ -561,7 +561,7 @@ class _WarningsAndAbove(logging.Filter):
         return record.levelno >= logging.WARNING or not record.name.startswith(self.PREFIXES)
 
 
-def _release_failed_test_frames() -> None:
+def _release_failed_test_frames(item: pytest.Item) -> None:
     """Drop pytest's reference to a test that failed in its call, as pytest does before the next.
 
     pytest keeps the failure in ``sys.last_value`` / ``sys.last_traceback`` for post-mortem
@@ -573,6 +573,12 @@ def _release_failed_test_frames() -> None:
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
             delattr(sys, name)
+    # pytest-rerunfailures keeps each failed phase's ExceptionInfo on the item until its own rerun
+    # protocol ends (for the whole session where it reruns nothing). A rank never reruns in place
+    # (the parent reruns a test in a fresh rank set), so a rank needs none of them.
+    excinfos = getattr(item, "_rerun_condition_excinfos", None)
+    if isinstance(excinfos, dict):
+        excinfos.clear()
 
 
 def _first_difference(reference: list[str], theirs: list[str], rank: int) -> str:
