@@ -72,7 +72,7 @@ def megatron_parallel(request: pytest.FixtureRequest, dist_env: DistEnv) -> Iter
 
 @pytest.fixture
 def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> RunConfig:
-    """A fresh Bridge-shaped config with Megatron-FSDP on (the seed's minimal override).
+    """A fresh Bridge-shaped config with Megatron-FSDP on (Megatron-Bridge's minimal override).
 
     The preset is ``--mfsdp-preset`` or the platform's default (tiny on CPU, the Bridge reference
     model on GPUs); tp/pp/cp follow the test's marker.

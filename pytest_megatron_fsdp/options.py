@@ -187,7 +187,7 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "use-megatron-fsdp",
-            "the seed's --use_megatron_fsdp: true (default) wraps with Megatron-FSDP "
+            "Bridge's performance harness's --use_megatron_fsdp: true (default) wraps with Megatron-FSDP "
             "(enable_megatron_fsdp), false with Megatron DDP",
             _boolean,
             True,

@@ -1222,7 +1222,7 @@ def _at_least_shown(shown: str, value: Any, minimum: float) -> str | None:
 
 
 def enable_megatron_fsdp(cfg: RunConfig) -> RunConfig:
-    """The seed's minimal override: what Bridge users set to turn Megatron-FSDP on."""
+    """Megatron-Bridge's minimal override: what Bridge users set to turn Megatron-FSDP on."""
     cfg.dist.use_megatron_fsdp = True
     cfg.ddp.use_megatron_fsdp = True
     cfg.ddp.data_parallel_sharding_strategy = "optim_grads_params"
@@ -1250,7 +1250,7 @@ def ddp_baseline(cfg: RunConfig) -> RunConfig:
 
 
 def fix_checkpoint_format(cfg: RunConfig) -> str | None:
-    """The seed's recipe pitfall: with Megatron-FSDP on, a recipe that still says ``torch_dist`` is
+    """Megatron-Bridge's recipe pitfall: with Megatron-FSDP on, a recipe that still says ``torch_dist`` is
     switched to ``fsdp_dtensor`` (validate() refuses any other format with Megatron-FSDP, whether or
     not checkpoint.save/load is set). Returns the message (None: nothing changed)."""
     if cfg.uses_megatron_fsdp and cfg.checkpoint.ckpt_format == "torch_dist":
@@ -1263,7 +1263,7 @@ def fix_checkpoint_format(cfg: RunConfig) -> str | None:
 
 
 def recipe_fixup(cfg: RunConfig, save: str | None) -> RunConfig:
-    """The seed's example recipe fixup: Megatron-FSDP on, fsdp_dtensor, save to ``save``, no load."""
+    """Megatron-Bridge's example recipe fixup: Megatron-FSDP on, fsdp_dtensor, save to ``save``, no load."""
     enable_megatron_fsdp(cfg)
     cfg.checkpoint.save = save
     cfg.checkpoint.load = None
@@ -1272,7 +1272,7 @@ def recipe_fixup(cfg: RunConfig, save: str | None) -> RunConfig:
 
 def apply_perf_harness_overrides(cfg: RunConfig) -> RunConfig:
     """Bridge's performance harness (``launch.py --use_megatron_fsdp true``): its Megatron-FSDP
-    overrides, as the seed lists them (``keep_fp8_transpose_cache=False``,
+    overrides, as Bridge's Megatron-FSDP guide lists them (``keep_fp8_transpose_cache=False``,
     ``init_model_with_meta_device=True``, ``checkpoint.load=None``)."""
     cfg.ddp.use_megatron_fsdp = True
     cfg.ddp.data_parallel_sharding_strategy = "optim_grads_params"
