@@ -135,6 +135,7 @@ class RolePlugin:
 
     @classmethod
     def create(cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions) -> RolePlugin:
+        """The plugin object registered for this role; every role class defines its own."""
         raise NotImplementedError
 
     def registered(self) -> None:
@@ -282,7 +283,8 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
 
     @classmethod
     def _prepare_temp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
-        pass
+        """A temp tree of the rank's own; none by default: a launched rank's pytest temp dir is in the
+        batch directory its parent removes (:meth:`_set_basetemp`)."""
 
     @classmethod
     def before_configure(cls, config: pytest.Config, role: ProcessRole) -> None:
@@ -299,6 +301,7 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
 
     @classmethod
     def _set_basetemp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
+        """Where this rank's pytest basetemp goes (launched and torchrun ranks differ)."""
         raise NotImplementedError
 
     @classmethod
