@@ -5,7 +5,7 @@
 # Test tiers (each a directory; `make <tier>` runs one):
 #   unit           tests/unit: in-process, no rank set, no pytest session in a subprocess
 #   integration    tests/integration + tests/selftest: real rank sets, pytester and torchrun sessions,
-#                  make, the wheel
+#                  make, the wheel; INTEGRATION_WORKERS=2 pytest-xdist workers
 #   functional     tests/functional: the smoke suite users run
 #   reproductions  tests/reproductions: upstream bugs shown with torch alone; CI runs them, `make test`
 #                  does not
@@ -55,12 +55,18 @@ VENV        ?= .venv-$(STACK)
 VENV_FLAGS  ?=
 NPROC       ?= 2
 PYTEST_ARGS ?=
-# What `make test` / `make smoke` run (the repo's own by default).
+# What `make test` / `make smoke` run (the repo's own by default; an empty tier is left out of `make test`).
 UNIT          ?= tests/unit
 INTEGRATION   ?= tests/integration tests/selftest
 FUNCTIONAL    ?= tests/functional
 REPRODUCTIONS ?= tests/reproductions
-TESTS         ?= $(UNIT) $(INTEGRATION) $(FUNCTIONAL)
+# pytest-xdist workers for the integration tier (0: one process). Its sessions spend their time
+# starting processes (torch's import in every rank and torchrun agent) and waiting out timeouts, so
+# two at a time finish sooner even on 2 cores; whole files per worker (--dist loadfile), so a session
+# a module's tests share runs once. The functional tier stays in one process: two rank sets training
+# at once on 2 cores take twice as long as one after the other (docs/how-it-works.md, pytest-xdist).
+INTEGRATION_WORKERS ?= 2
+INTEGRATION_XDIST   := $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile)
 SEED_TEST   ?= tests/functional/test_megatron_fsdp.py
 
 PY       := $(VENV)/bin/python
@@ -105,18 +111,20 @@ stack:
 smoke: venv
 	$(TORCHRUN) -m pytest $(FUNCTIONAL) -v $(PYTEST_ARGS)
 
-# The unit, integration and functional tiers in one plain pytest session, fastest first (the plugin
+# The unit, integration and functional tiers, fastest first, each a plain pytest session (the plugin
 # launches the rank sets itself), then the seed's smoke test once more under torchrun, the way GPU
 # runners launch it.
 test: venv
-	$(PYTEST) $(TESTS) $(PYTEST_ARGS)
+	$(if $(strip $(UNIT)),$(PYTEST) $(UNIT) $(PYTEST_ARGS))
+	$(if $(strip $(INTEGRATION)),$(PYTEST) $(INTEGRATION) $(INTEGRATION_XDIST) $(PYTEST_ARGS))
+	$(if $(strip $(FUNCTIONAL)),$(PYTEST) $(FUNCTIONAL) $(PYTEST_ARGS))
 	$(TORCHRUN) -m pytest $(SEED_TEST) $(PYTEST_ARGS)
 
 unit: venv
 	$(PYTEST) $(UNIT) $(PYTEST_ARGS)
 
 integration: venv
-	$(PYTEST) $(INTEGRATION) $(PYTEST_ARGS)
+	$(PYTEST) $(INTEGRATION) $(INTEGRATION_XDIST) $(PYTEST_ARGS)
 
 functional: venv
 	$(PYTEST) $(FUNCTIONAL) $(PYTEST_ARGS)

@@ -45,21 +45,25 @@ def fresh_tmpdir(tmp_path):
     return tmpdir, tmp_path / "suite" / "test_small.py"
 
 
+#: what a calling make passes to a make this test starts: `make integration PYTEST_ARGS=-x` must not
+#: hand its PYTEST_ARGS (or -n, -k, ...) to the sessions under test
+MAKE_VARS = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+
+
 def _env(tmpdir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR" and k not in MAKE_VARS}
     env["TMPDIR"] = str(tmpdir)
     return env
 
 
 def test_make_test_and_make_smoke_leave_tmpdir_as_they_found_it(fresh_tmpdir):
-    """``make test`` is ``pytest tests`` then the seed's test under torchrun; here both run the small
-    file instead of the repo's suite (``TESTS``, ``SEED_TEST``, ``FUNCTIONAL``), with this venv."""
+    """``make test`` is a pytest session per tier (the integration tier's under pytest-xdist) then the
+    seed's test under torchrun; here the integration and functional tiers and the seed's test are the
+    small file instead of the repo's suite (no unit tier), with this venv."""
     tmpdir, test_file = fresh_tmpdir
     stack = "newest" if sys.version_info[:2] == (3, 12) else "floor"
-    for target, paths in (
-        ("test", [f"TESTS={test_file}", f"SEED_TEST={test_file}"]),
-        ("smoke", [f"FUNCTIONAL={test_file}"]),
-    ):
+    tiers = ["UNIT=", f"INTEGRATION={test_file}", f"FUNCTIONAL={test_file}", f"SEED_TEST={test_file}"]
+    for target, paths, sessions in (("test", tiers, 3), ("smoke", [f"FUNCTIONAL={test_file}"], 1)):
         done = subprocess.run(
             # -o venv: use the running venv as it is (never rebuild it from a test)
             ["make", "-C", str(REPO), "-o", "venv", target, f"STACK={stack}", f"VENV={sys.prefix}", *paths],
@@ -69,7 +73,9 @@ def test_make_test_and_make_smoke_leave_tmpdir_as_they_found_it(fresh_tmpdir):
             env=_env(tmpdir),
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert done.stdout.count("2 passed") == (2 if target == "test" else 1), done.stdout[-3000:]
+        assert done.stdout.count("2 passed") == sessions, done.stdout[-3000:]
+        if target == "test":
+            assert "-n 2 --dist loadfile" in done.stdout  # the integration tier ran under pytest-xdist
         assert _listing(tmpdir) == [], f"make {target} left: {_listing(tmpdir)}"
 
 
