@@ -63,10 +63,12 @@ REPRODUCTIONS ?= tests/reproductions
 # pytest-xdist workers for the integration tier (0: one process). Its sessions spend their time
 # starting processes (torch's import in every rank and torchrun agent) and waiting out timeouts, so
 # two at a time finish sooner even on 2 cores; whole files per worker (--dist loadfile), so a session
-# a module's tests share runs once. The functional tier stays in one process: two rank sets training
-# at once on 2 cores take twice as long as one after the other (docs/how-it-works.md, pytest-xdist).
+# a module's tests share runs once, handed out in collection order, which puts the longest files first
+# (tests/integration/conftest.py) instead of the files with most tests. The functional tier stays in
+# one process: two rank sets training at once on 2 cores take twice as long as one after the other
+# (docs/how-it-works.md, pytest-xdist).
 INTEGRATION_WORKERS ?= 2
-INTEGRATION_XDIST   := $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile)
+INTEGRATION_XDIST   := $(if $(filter-out 0,$(INTEGRATION_WORKERS)),-n $(INTEGRATION_WORKERS) --dist loadfile --no-loadscope-reorder)
 SEED_TEST   ?= tests/functional/test_megatron_fsdp.py
 
 PY       := $(VENV)/bin/python
