@@ -141,9 +141,11 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
     result.stdout.fnmatch_lines(["PASSED*test_healthy_after_all_that*"])
 
     # Each test ends within its timeout + 10 s (the default timeout is 300 s, so the bound that
-    # matters is the hang's); a fresh rank set's start-up counts against the first test after it.
+    # matters is the hang's), plus a rank set's start-up where it is the first test of a fresh one:
+    # the hang follows rank 1's abort. The session's first test shows what a start-up takes under the
+    # machine's present load (on 2 busy cores, 14 s instead of 3 s).
     times = json.loads((pytester.path / "times.json").read_text())
-    assert times["test_rank1_hangs"] <= HANG_TIMEOUT_S + 10, times
+    assert times["test_rank1_hangs"] <= HANG_TIMEOUT_S + times["test_rank1_raises"] + 10, times
     # released by rank 1's failure, not by the 120 s process-group timeout
     assert times["test_rank1_raises_while_rank0_waits_in_a_collective"] < 15, times
     assert all(t < 60 for t in times.values()), times

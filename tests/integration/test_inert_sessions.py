@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -19,9 +20,15 @@ import pytest
 SIDE_EFFECT_CHECKS = """
 import os, signal, sys, tempfile
 
+# What Python starts with: a signal its launcher ignored stays ignored (a job started in the
+# background of a script ignores SIGINT), else SIGINT raises KeyboardInterrupt and SIGTERM ends it.
+IGNORED = os.environ["CHECKS_IGNORED_SIGNALS"].split()
+
 def assert_untouched():
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGTERM)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)
+    sigterm = signal.SIG_IGN if "SIGTERM" in IGNORED else signal.SIG_DFL
+    sigint = signal.SIG_IGN if "SIGINT" in IGNORED else signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) == sigterm, signal.getsignal(signal.SIGTERM)
+    assert signal.getsignal(signal.SIGINT) == sigint, signal.getsignal(signal.SIGINT)
     assert "pytest_megatron_fsdp.harness.cuda_emulation" not in sys.modules
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ
@@ -40,7 +47,16 @@ def _normalised(text: str) -> list[str]:
     return lines
 
 
-def test_a_plain_session_without_distributed_tests_is_as_without_the_plugin(pytester):
+def _ignored_signals() -> str:
+    """The signals a process started from this one begins with ignored (``SIG_IGN`` is inherited
+    across exec; a handler is not): SIGINT where this session runs in the background of a script."""
+    return " ".join(
+        name for name in ("SIGINT", "SIGTERM") if signal.getsignal(getattr(signal, name)) == signal.SIG_IGN
+    )
+
+
+def test_a_plain_session_without_distributed_tests_is_as_without_the_plugin(pytester, monkeypatch):
+    monkeypatch.setenv("CHECKS_IGNORED_SIGNALS", _ignored_signals())
     pytester.makepyfile(
         checks=SIDE_EFFECT_CHECKS,
         test_foreign="""
@@ -134,7 +150,9 @@ def test_a_foreign_torchrun_suite_keeps_every_ranks_output(
     """Its own process group, every rank printing (-s): both ranks' lines and both ranks' session
     summaries reach the terminal, as without the plugin, and nothing of the plugin's is done."""
     pytester.makepyfile(checks=SIDE_EFFECT_CHECKS, test_foreign=FOREIGN_TORCHRUN_SUITE)
-    env = dict(os.environ)
+    # torchrun's agent handles SIGINT and SIGTERM (TORCHELASTIC_SIGNALS_TO_HANDLE), so its ranks
+    # start with neither ignored, whatever the agent was started with
+    env = dict(os.environ, CHECKS_IGNORED_SIGNALS="")
     out = subprocess.run(
         torchrun_pytest("-p", "no:cacheprovider", "-s", "-q"),
         cwd=pytester.path,
