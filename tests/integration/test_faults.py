@@ -10,6 +10,8 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+from hang_scenarios import RANK1_SKIPS_THE_BROADCAST
+
 HANG_TIMEOUT_S = 6
 
 FAULTS = f"""
@@ -249,19 +251,8 @@ def test_a_hang_report_names_who_is_missing_from_which_collective(pytester, isol
     """The c10d flight recorder, aligned across ranks: the timeout report says which rank never
     entered the collective another waits in, and which collectives differ across ranks."""
     pytester.makepyfile(
-        test_stuck="""
-import time
-import pytest
-import torch
-import torch.distributed as dist
-
-@pytest.mark.distributed(world_size=2, timeout=6)
-def test_rank1_skips_the_broadcast(dist_env):
-    dist.all_reduce(torch.ones(2))
-    if dist_env.rank == 1:
-        time.sleep(3600)
-    dist.broadcast(torch.ones(3), src=0)
-
+        test_stuck=RANK1_SKIPS_THE_BROADCAST
+        + """
 @pytest.mark.distributed(world_size=2, timeout=6)
 def test_ranks_disagree_on_the_collective(dist_env):
     if dist_env.rank == 0:

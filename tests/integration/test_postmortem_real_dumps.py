@@ -9,21 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hang_scenarios import RANK1_SKIPS_THE_BROADCAST
+
 WITHOUT_TORCH = Path(__file__).parents[1] / "unit" / "postmortem_without_torch.py"
-
-STUCK = """
-import time
-import pytest
-import torch
-import torch.distributed as dist
-
-@pytest.mark.distributed(world_size=2, timeout=6)
-def test_rank1_skips_the_broadcast(dist_env):
-    dist.all_reduce(torch.ones(2))
-    if dist_env.rank == 1:
-        time.sleep(3600)
-    dist.broadcast(torch.ones(3), src=0)
-"""
 
 
 def _torchfrtrace() -> list[str]:
@@ -35,7 +23,7 @@ def _torchfrtrace() -> list[str]:
 
 
 def test_a_hangs_dumps_are_read_by_the_cli_and_by_torchfrtrace(pytester, isolated_tmp, leftover_processes):
-    pytester.makepyfile(test_stuck=STUCK)
+    pytester.makepyfile(test_stuck=RANK1_SKIPS_THE_BROADCAST)
     logs = pytester.path / "logs"
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--mfsdp-platform=cpu", f"--mfsdp-log-dir={logs}", timeout=180

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from run_records import run_record
 
 from pytest_megatron_fsdp import postmortem
 from pytest_megatron_fsdp.harness import controller, flight_recorder, protocol
 from pytest_megatron_fsdp.harness.launcher import PostMortem
-from pytest_megatron_fsdp.reporting.record import RunRecord
 from pytest_megatron_fsdp.reporting.report import report_document, write_json
 
 SECOND = 1_000_000_000
@@ -287,28 +287,7 @@ def test_the_timeout_banner_is_the_harness_one():
 
 
 def _record(nodeid, losses):
-    return RunRecord(
-        nodeid=nodeid,
-        platform="cpu",
-        preset="tiny",
-        strategy="optim_grads_params",
-        iterations=len(losses),
-        first_loss=losses[0],
-        last_loss=losses[-1],
-        ms_per_step=40.0,
-        world_size=2,
-        data_parallel_size=2,
-        tokens_per_step=128,
-        tokens_per_s=3200.0,
-        losses=list(losses),
-        grad_norms=[1.5] * len(losses),
-        step_times_s=[0.04] * len(losses),
-        peak_memory_bytes=400 * 2**20,
-        peak_memory_kind="max_rss",
-        checkpoint_bytes=2048,
-        checkpoint_save_s=0.5,
-        checkpoint_load_s=0.25,
-    )
+    return run_record(losses, nodeid, checkpoint_bytes=2048, checkpoint_save_s=0.5, checkpoint_load_s=0.25)
 
 
 def test_report_is_the_sessions_table_and_a_loss_plot(tmp_path):

@@ -6,8 +6,8 @@ import sys
 
 import jsonschema
 import pytest
+from run_records import run_record as record
 
-from pytest_megatron_fsdp.reporting.record import RunRecord
 from pytest_megatron_fsdp.reporting.report import (
     BARS,
     NAN_MARK,
@@ -30,30 +30,6 @@ NAN = float("nan")
 
 def validate(document):
     jsonschema.validate(document, SCHEMA, cls=jsonschema.Draft202012Validator)
-
-
-def record(losses, nodeid="t.py::test_a", **changes):
-    fields = dict(
-        nodeid=nodeid,
-        platform="cpu",
-        preset="tiny",
-        strategy="optim_grads_params",
-        iterations=len(losses),
-        first_loss=losses[0],
-        last_loss=losses[-1],
-        ms_per_step=40.0,
-        world_size=2,
-        data_parallel_size=2,
-        tokens_per_step=128,
-        tokens_per_s=3200.0,
-        losses=list(losses),
-        grad_norms=[1.5] * len(losses),
-        step_times_s=[0.04] * len(losses),
-        peak_memory_bytes=400 * 2**20,
-        peak_memory_kind="max_rss",
-    )
-    fields.update(changes)
-    return RunRecord(**fields)
 
 
 def test_sparkline_follows_the_curve():
