@@ -243,6 +243,11 @@ class Controller:
                 item.ihook.pytest_runtest_logreport(report=report)
                 item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
                 raise
+            if any(getattr(r, "mfsdp_rank_set_stopped", False) for r in reports):
+                # its ranks could not go on together (a process group not rebuilt after a failure):
+                # they end after this test, and the rest of the batch runs in a fresh rank set
+                if self.active.get(world_size) is rank_set:
+                    self._close(world_size)
             for report in reports:
                 report.rerun = attempt - 1  # pytest-rerunfailures' attribute: its summary lists the attempts
             failed = next((r for r in reports if r.failed), None)
@@ -551,7 +556,11 @@ def describe_death(
     died = pm.died()
     if died and not pm.timed_out:
         first, code = died[0]
-        lines.append(f"rank {first} died ({describe_exit(code)})")
+        cause = pm.internal_errors.get(first)
+        lines.append(
+            f"rank {first} died ({describe_exit(code)}"
+            + (f": a pytest internal error in the rank: {cause})" if cause else ")")
+        )
         for r, other in died[1:]:
             lines.append(
                 f"rank {r} then ended ({describe_exit(other)}; stopped by torchrun after rank {first})"

@@ -292,6 +292,7 @@ class RankSet:
             exit_statuses=self.rank_exit_statuses(),
             timed_out=[r for r, log in logs.items() if TIMEOUT_BANNER in log],
             excerpts={r: log_excerpt(log) for r, log in logs.items()},
+            internal_errors={r: cause for r, log in logs.items() if (cause := internal_error(log))},
             log_dir=self.log_dir,
             output_tail=self.output()[-OUTPUT_TAIL_CHARS:],
             output_path=self.output_path,
@@ -304,10 +305,17 @@ OUTPUT_TAIL_CHARS = 2500
 LOG_TAIL_CHARS = 3000
 
 
+#: how pytest prefixes each line of an internal error's traceback
+INTERNAL_ERROR_PREFIX = "INTERNALERROR> "
+#: how many of an internal error's last traceback lines a post-mortem keeps: the frames above them
+#: are pytest's and pluggy's hook calls, the same every time (the whole traceback stays in the log)
+INTERNAL_ERROR_LINES = 16
+
+
 def log_excerpt(log: str) -> str:
     """The part of a rank's log that explains its end: from its timeout banner, else from a fatal
     signal's dump, else from a stack dump the parent asked for, else the current test's part, else
-    the log's tail."""
+    the log's tail; an internal error's traceback shortened to its end."""
     start = log.find(TIMEOUT_BANNER)
     if start < 0:
         start = log.find("Fatal Python error")  # faulthandler on SIGSEGV, SIGABRT, ...
@@ -315,7 +323,42 @@ def log_excerpt(log: str) -> str:
         start = log.find("Thread 0x")  # a dump on SIGUSR1 from the parent's watchdog
     if start < 0:
         start = log.rfind("START ")  # this test's part of the log
-    return (log[start:] if start >= 0 else log[-LOG_TAIL_CHARS:]).rstrip()
+    return _shorten_internal_errors(log[start:] if start >= 0 else log[-LOG_TAIL_CHARS:]).rstrip()
+
+
+def _shorten_internal_errors(text: str) -> str:
+    lines = text.splitlines()
+    kept: list[str] = []
+    run: list[str] = []
+    for line in [*lines, ""]:
+        if line.startswith(INTERNAL_ERROR_PREFIX.rstrip()):
+            run.append(line)
+            continue
+        if len(run) > INTERNAL_ERROR_LINES:
+            left_out = len(run) - INTERNAL_ERROR_LINES
+            kept.append(f"{INTERNAL_ERROR_PREFIX}[{left_out} lines of hook calls left out: see the log]")
+            run = run[-INTERNAL_ERROR_LINES:]
+        kept += run
+        run = []
+        kept.append(line)
+    return "\n".join(kept[:-1])
+
+
+def internal_error(log: str) -> str | None:
+    """The exception of the last pytest internal error in a rank's log (its traceback's last line),
+    or None: what a rank that exited with pytest's INTERNAL_ERROR status died of."""
+    lines = [
+        line[len(INTERNAL_ERROR_PREFIX) :]
+        for line in log.splitlines()
+        if line.startswith(INTERNAL_ERROR_PREFIX)
+    ]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    # after the last traceback's frames (indented), the exception's first line (not indented)
+    return next(
+        (line.strip() for line in lines[starts[-1] + 1 :] if line.strip() and not line.startswith(" ")), None
+    )
 
 
 @dataclass(frozen=True)
@@ -335,6 +378,8 @@ class PostMortem:
     timed_out: list[int] = field(default_factory=list)
     #: per rank, the part of its log that explains its end (see log_excerpt)
     excerpts: dict[int, str] = field(default_factory=dict)
+    #: per rank whose log has a pytest internal error, its exception (see internal_error)
+    internal_errors: dict[int, str] = field(default_factory=dict)
     log_dir: Path = Path()
     #: torchrun's output, its end
     output_tail: str = ""

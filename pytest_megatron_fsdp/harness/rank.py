@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -32,7 +33,7 @@ import pytest
 from _pytest.runner import runtestprotocol
 
 from . import coexist, flight_recorder, protocol, warnings_relay
-from .agreement import merge_reports, summarise
+from .agreement import headlined_failure, merge_reports, summarise
 from .held_terminal import HELD_TERMINAL
 from .protocol import (
     BATCH_FILE_DEST,
@@ -43,7 +44,14 @@ from .protocol import (
     read_batch,
     spec_of,
 )
-from .session import RANK_SESSION, PeersGone, RankSession, TorchrunEnv, forget_dtensor_shardings
+from .session import (
+    RANK_SESSION,
+    RankSession,
+    SessionCannotGoOn,
+    TorchrunEnv,
+    first_line,
+    forget_dtensor_shardings,
+)
 
 #: How long a rank whose test timed out waits for the peers' flight records and stacks before it
 #: exits (a peer whose thread cannot get the GIL is dumped by faulthandler's C watchdog instead).
@@ -264,7 +272,9 @@ class RankPlugin:
                 merged = self._exchange_outcomes(
                     item, index, reports, rank_session, deadline, warnings_relay.to_data(caught)
                 )
-            except PeersGone as exc:
+            except SessionCannotGoOn as exc:
+                if exc.__cause__ is not None:  # the whole story for the log; the report gets one line
+                    self._log("".join(traceback.format_exception(exc.__cause__)).rstrip())
                 merged = self._alone(item, reports, str(exc))
         if self._test_warnings:
             self._event(protocol.Warnings(nodeid=item.nodeid, warnings=self._test_warnings))
@@ -279,16 +289,26 @@ class RankPlugin:
     def _alone(
         self, item: pytest.Item, reports: list[pytest.TestReport], why: str
     ) -> list[pytest.TestReport]:
-        """The test's reports when the peers are gone: it fails with ``why`` (this rank's own failure,
-        if any, follows), and the session stops after it: no later test can have every rank."""
-        message = f"megatron-fsdp: {why}; the session stops (every later test needs all ranks)"
+        """The test's reports when this rank cannot go on with its peers (they are gone, or the
+        process group could not be rebuilt): it fails with ``why`` (this rank's own failure, if any,
+        follows), and the session stops after it: no later test can have every rank."""
+        stops = (
+            "this rank set stops; the later tests run in a fresh one"
+            if self.launched
+            else "the session stops (every later test needs all ranks)"
+        )
+        message = f"megatron-fsdp: {why}; {stops}"
         self._log(f"{item.nodeid}: {message}")
         if self.rank != 0:
             self._tell_terminal(f"{message} (rank {self.rank}, test {item.nodeid})")
         failed = next((r for r in reports if r.when == "call"), None) or reports[-1]
         own = failed.longreprtext if failed.failed else ""
         failed.outcome = "failed"
-        failed.longrepr = message + (f"\n\nthis rank's own failure (rank {self.rank}):\n{own}" if own else "")
+        failed.longrepr = headlined_failure(
+            item, message + (f"\n\nthis rank's own failure (rank {self.rank}):\n{own}" if own else "")
+        )
+        # rides on the report to a launching parent, which runs the rest of the batch in a fresh rank set
+        failed.mfsdp_rank_set_stopped = True
         item.session.shouldstop = message
         return reports
 
@@ -492,25 +512,36 @@ class RankPlugin:
         store = rank_session.store
         mine = {r.when: summarise(r) for r in reports}
         released, self._released = self._released, False
-        store.set(
-            f"test/{index}/{self.rank}",
-            json.dumps(
-                {"nodeid": item.nodeid, "phases": mine, "released": released, "warnings": warnings_data or []}
-            ),
-        )
         keys = [f"test/{index}/{r}" for r in range(self.torchrun.world_size)]
-        # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an srun
-        # step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
-        rank_session.wait_for_peers(
-            keys,
-            datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5),
-            f"the outcome of {item.nodeid}",
-        )
+        try:
+            store.set(
+                keys[self.rank],
+                json.dumps(
+                    {
+                        "nodeid": item.nodeid,
+                        "phases": mine,
+                        "released": released,
+                        "warnings": warnings_data or [],
+                    }
+                ),
+            )
+            # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an
+            # srun step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
+            rank_session.wait_for_peers(
+                keys,
+                datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5),
+                f"the outcome of {item.nodeid}",
+            )
+            outcomes = [json.loads(store.get(key)) for key in keys]
+        except RuntimeError as exc:  # torch's DistStoreError, DistNetworkError
+            raise SessionCannotGoOn(
+                f"the ranks' outcomes of the test could not be exchanged through the rendezvous store: "
+                f"{type(exc).__name__}: {first_line(exc)}"
+            ) from exc
         per_rank: dict[int, dict[str, Any]] = {}
         per_rank_warnings: dict[int, list[dict[str, Any]]] = {}
         renew = False
-        for rank in range(self.torchrun.world_size):
-            data = json.loads(store.get(keys[rank]))
+        for rank, data in enumerate(outcomes):
             if data["nodeid"] != item.nodeid:
                 raise pytest.UsageError(
                     f"rank {rank} ran {data['nodeid']!r} while rank {self.rank} ran {item.nodeid!r}"

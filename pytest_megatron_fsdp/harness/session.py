@@ -76,7 +76,12 @@ HEARTBEAT_INTERVAL_S = 1.0
 PEER_SILENCE_S = 20.0
 
 
-class PeersGone(Exception):
+class SessionCannotGoOn(Exception):
+    """This rank cannot run another test with its peers: the current test fails with the reason,
+    and this rank's session stops."""
+
+
+class PeersGone(SessionCannotGoOn):
     """Peers that this rank waits for are gone (killed, their node lost): the session cannot go on."""
 
 
@@ -123,7 +128,8 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first non-blank line of ``exc``'s message (its type's name when it has none)."""
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
@@ -146,7 +152,7 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
             multi_tenant=True,
         )
     except (RuntimeError, OSError) as exc:  # torch's DistStoreError / DistNetworkError among them
-        first = _first_line(exc)
+        first = first_line(exc)
         raise RendezvousError(
             f"megatron-fsdp: rank {torchrun.rank} of {torchrun.world_size} could not meet the other ranks "
             f"at {torchrun.master_addr}:{torchrun.master_port} within {timeout.total_seconds():g} s "
@@ -349,7 +355,15 @@ class RankSession:
         self.release_peers()
         forget_dtensor_shardings()
         self.generation += 1
-        self._init_process_group()
+        try:
+            self._init_process_group()
+        except Exception as exc:  # noqa: BLE001 - whatever the backend raised, no test can run now
+            # A peer may have got its end of the new group and gone on to the next test: stopping
+            # here (torchrun then stops it too) is the only end that cannot hang.
+            raise SessionCannotGoOn(
+                f"the process group could not be rebuilt after the test (generation {self.generation}): "
+                f"{type(exc).__name__}: {first_line(exc)}"
+            ) from exc
 
     @classmethod
     def start(
@@ -434,7 +448,7 @@ class RankSession:
         self.peers_gone = True
         return PeersGone(
             f"the rendezvous store (hosted by rank 0) is gone while this rank waited for {what}: "
-            f"rank 0 ended ({_first_line(exc)})"
+            f"rank 0 ended ({first_line(exc)})"
         )
 
     def _silent(self, ranks: list[int]) -> list[int]:

@@ -83,6 +83,13 @@ def test_skips_on_rank1_only(dist_env):
 
 
 @two_ranks
+def test_the_process_group_cannot_be_rebuilt_after_a_failure(dist_env):
+    if dist_env.rank == 0:
+        os.environ["BREAK_THE_NEXT_REBUILD"] = "1"  # see the conftest: a backend error in the rebuild
+    raise RuntimeError("fails, so the process group is rebuilt after the test")
+
+
+@two_ranks
 @pytest.mark.xfail(strict=True, reason="known upstream bug")
 def test_expected_failure_stays_an_xfail(dist_env):
     assert dist_env.rank == 99
@@ -95,9 +102,24 @@ def test_healthy_after_all_that(dist_env):
     assert t.item() == dist_env.world_size
 """
 
-# Records when each test started and ended in the parent session, to check the time bounds.
-TIMING_CONFTEST = """
+# Records when each test started and ended in the parent session, to check the time bounds; in the
+# ranks, makes the rebuild of the process group fail once where a test asks for it, as a backend
+# error in torch's init_process_group would (that is the call the harness makes).
+CONFTEST = """
 import json, os, time
+
+if "RANK" in os.environ:
+    from pytest_megatron_fsdp.harness import session
+
+    _init_process_group = session.RankSession._init_process_group
+
+    def _failing_once(self):
+        _init_process_group(self)
+        if os.environ.pop("BREAK_THE_NEXT_REBUILD", None):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:29500 (a stand-in for gloo's error)")
+
+    session.RankSession._init_process_group = _failing_once
+
 _times = {}
 _parent = "RANK" not in os.environ  # the ranks load this conftest too; only the parent records
 def pytest_runtest_logstart(nodeid):
@@ -117,12 +139,12 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
 ):
     monkeypatch.setenv("CI", "true")  # pytest's short summary then prints each message untrimmed
     pytester.makepyfile(test_faults=FAULTS)
-    pytester.makeconftest(TIMING_CONFTEST)
+    pytester.makeconftest(CONFTEST)
     started = time.monotonic()
     result = pytester.runpytest_subprocess("-rA", "--mfsdp-platform=cpu", "--junitxml=junit.xml", timeout=300)
     wall = time.monotonic() - started
     out = result.stdout.str()
-    result.assert_outcomes(passed=2, failed=7, skipped=1, xfailed=1)
+    result.assert_outcomes(passed=2, failed=8, skipped=1, xfailed=1)
 
     result.stdout.fnmatch_lines(["*test_rank1_raises*", "*failed on rank 1 (passed on 0)*"])
     assert "RuntimeError: boom on rank 1" in out
@@ -141,6 +163,11 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
     assert "failed on rank 0 (passed on 1)" in out and "rank 0 disagrees" in out
     result.stdout.fnmatch_lines(["*SKIPPED*only rank 1 skips (skipped on rank 1 only; rank 0 did not skip)*"])
     result.stdout.fnmatch_lines(["PASSED*test_healthy_after_all_that*"])
+    # A process group that cannot be rebuilt fails the test that preceded the rebuild, naming the
+    # error; its rank set stops (no INTERNALERROR) and the later tests run in a fresh one.
+    rebuild = "test_the_process_group_cannot_be_rebuilt_after_a_failure"
+    assert "INTERNALERROR" not in out
+    assert "fails, so the process group is rebuilt after the test" in out
 
     # Each test ends within its timeout + 10 s (the default timeout is 300 s, so the bound that
     # matters is the hang's), plus a rank set's start-up where it is the first test of a fresh one:
@@ -161,6 +188,9 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
         "test_rank1_is_sigkilled": "rank 1 died (signal SIGKILL)",
         "test_rank1_hangs": f"timed out: the test exceeded its {HANG_TIMEOUT_S} s timeout; every rank's "
         "stacks were dumped and the rank set was killed",
+        rebuild: "megatron-fsdp: the process group could not be rebuilt after the test (generation 3): "
+        "RuntimeError: Connection closed by peer [127.0.0.1]:29500 (a stand-in for gloo's error); this rank "
+        "set stops; the later tests run in a fresh one",
     }
     for name, headline in headlines.items():
         assert f"FAILED test_faults.py::{name} - {headline}" in summary, summary
@@ -171,7 +201,7 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
     # JUnit XML sees the same node ids and outcomes.
     junit = (pytester.path / "junit.xml").read_text()
     result.stdout.fnmatch_lines(["XFAIL*test_expected_failure_stays_an_xfail*known upstream bug*"])
-    assert junit.count("<testcase") == 11 and 'name="test_rank1_exits"' in junit
+    assert junit.count("<testcase") == 12 and 'name="test_rank1_exits"' in junit
 
     # Nothing left running, nothing left in the temp dir.
     assert leftover_processes(pytester.path) == []

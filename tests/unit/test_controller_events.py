@@ -19,7 +19,7 @@ import pytest
 from pytest_megatron_fsdp.environment import DistributedSpec
 from pytest_megatron_fsdp.harness import controller as ctl
 from pytest_megatron_fsdp.harness import protocol
-from pytest_megatron_fsdp.harness.launcher import PostMortem, log_excerpt
+from pytest_megatron_fsdp.harness.launcher import PostMortem, internal_error, log_excerpt
 from pytest_megatron_fsdp.harness.protocol import Collected, Finished, Report, Started, Warnings
 
 NODEID = "test_x.py::test_x"
@@ -284,6 +284,52 @@ def test_each_kind_of_abnormal_end_is_described(post_mortem, first_lines):
     lines = ctl.describe_death(post_mortem, 10.0).splitlines()
     assert lines[0] == first_lines[0]
     assert lines[1].startswith(first_lines[1])
+
+
+def test_a_rank_dead_of_a_pytest_internal_error_is_named_with_its_exception():
+    pm = PostMortem(2, 1, exits={0: 3, 1: -15}, root=0, internal_errors={0: "ValueError: a harness bug"})
+    assert ctl.describe_death(pm, 10.0).splitlines()[0] == (
+        "rank 0 died (exit code 3: a pytest internal error in the rank: ValueError: a harness bug)"
+    )
+
+
+def _internal_error(frames: int, exception: list[str]) -> list[str]:
+    """A pytest INTERNALERROR block as a rank writes it into its log."""
+    lines = ["Traceback (most recent call last):"]
+    for n in range(frames):
+        lines += [
+            f'  File "/site-packages/pluggy/_callers.py", line {n}, in _multicall',
+            "    res = hook(*args)",
+        ]
+    return [f"INTERNALERROR> {line}" for line in [*lines, *exception]]
+
+
+def test_a_pytest_internal_error_is_its_last_tracebacks_exception_first_line():
+    first = _internal_error(
+        2, ["KeyError: 'x'", "", "During handling of the above exception, another exception occurred:", ""]
+    )
+    last = _internal_error(3, ["RuntimeError: gloo: Connection closed by peer", "second line of the message"])
+    log = "\n".join(
+        ["START t", "FAILED t (call) on rank 0:", *first, *last, "", "=== no tests ran in 30.1s ==="]
+    )
+    assert internal_error(log) == "RuntimeError: gloo: Connection closed by peer"
+    assert (
+        internal_error("START t\nFAILED t\nTraceback (most recent call last):\nValueError: not pytest's")
+        is None
+    )
+
+
+def test_a_rank_log_excerpt_keeps_an_internal_errors_end_not_its_hook_calls():
+    block = _internal_error(40, ["ValueError: a harness bug"])
+    excerpt = log_excerpt("\n".join(["START t", "x", *block, "", "=== no tests ran ==="])).splitlines()
+    assert excerpt[:3] == [
+        "START t",
+        "x",
+        f"INTERNALERROR> [{len(block) - 16} lines of hook calls left out: see the log]",
+    ]
+    assert excerpt[3:] == [*block[-16:], "", "=== no tests ran ==="]
+    short = _internal_error(2, ["ValueError: short"])
+    assert log_excerpt("\n".join(["START t", *short])).splitlines() == ["START t", *short]
 
 
 def test_an_interrupted_test_with_no_death_says_only_what_its_ranks_logged():
