@@ -350,13 +350,25 @@ class RankSession:
 
         A collective that one rank entered and another never did leaves the old group's sequence
         out of step; the next test must not inherit that. Called by all ranks (the agreed outcome
-        is the same everywhere), so the generation stays in step too.
+        is the same everywhere), so the generation stays in step too. Returns once every rank has
+        its new group; raises :class:`SessionCannotGoOn` when this rank cannot have it.
         """
         self.release_peers()
         forget_dtensor_shardings()
         self.generation += 1
         try:
             self._init_process_group()
+            # gloo's init is no synchronization point (pytorch#61396): a rank whose init returned
+            # first went on to its next test, failed it at once and destroyed the new group while
+            # its peer was still connecting, and the peer's init failed ("Connection closed by
+            # peer"). Measured, torch 2.14.1 on 2 cores with 3 busy processes: 2 ranks rebuilding in
+            # a loop failed within 23 to 250 rebuilds (5 pairs of 5); with this wait, none in 4,200.
+            # No rank leaves until every rank's init has returned.
+            keys = [f"rebuilt/{self.generation}/{rank}" for rank in range(self.env.world_size)]
+            self.store.set(keys[self.env.rank], "1")
+            self.wait_for_peers(keys, self._pg_timeout, "the other ranks' rebuilt process group")
+        except SessionCannotGoOn:
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever the backend raised, no test can run now
             # A peer may have got its end of the new group and gone on to the next test: stopping
             # here (torchrun then stops it too) is the only end that cannot hang.

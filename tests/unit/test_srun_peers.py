@@ -1,6 +1,9 @@
-"""srun ranks watch each other (``RankSession.wait_for_peers``), in process over a real TCPStore: a
-peer whose heartbeat stops is named within the silence bound, a live slow peer is waited for up to
-the caller's timeout (which is raised as before), and a store that is gone is said to be gone."""
+"""Ranks wait for each other through the store, in process over a real TCPStore.
+
+srun ranks watch each other (``RankSession.wait_for_peers``): a peer whose heartbeat stops is named
+within the silence bound, a live slow peer is waited for up to the caller's timeout (which is raised
+as before), and a store that is gone is said to be gone. A rebuilt process group
+(``RankSession.renew``) is a rendezvous: no rank goes on before every rank has it."""
 
 from __future__ import annotations
 
@@ -9,13 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 torch_distributed = pytest.importorskip("torch.distributed")
 
+from pytest_megatron_fsdp.environment import DistEnv  # noqa: E402
 from pytest_megatron_fsdp.harness import session as session_module  # noqa: E402
-from pytest_megatron_fsdp.harness.session import PeersGone, RankSession  # noqa: E402
+from pytest_megatron_fsdp.harness.session import PeersGone, RankSession, SessionCannotGoOn  # noqa: E402
 
 
 def _free_port() -> int:
@@ -109,3 +114,67 @@ def test_a_store_that_is_gone_is_said_to_be(tmp_path):
     finally:
         host.kill()
         host.wait()
+
+
+def _rebuilding_session(store, init=lambda: None, timeout_s: float = 0.5) -> RankSession:
+    """Rank 0 of 2 whose process group ``init`` stands for (no backend: what renew adds is tested)."""
+    rank_session = RankSession.__new__(RankSession)
+    rank_session.env = DistEnv(
+        rank=0,
+        world_size=2,
+        local_rank=0,
+        device="cpu",
+        backend="gloo",
+        platform="cpu",
+        shared_dir=Path("/unused"),
+    )
+    rank_session.store = torch_distributed.PrefixStore("mfsdp", store)
+    rank_session.heartbeat = None  # a launched rank set: the parent watches the ranks
+    rank_session.generation = 0
+    rank_session._pg_timeout = datetime.timedelta(seconds=timeout_s)
+    rank_session._on_release = []
+    rank_session.release_peers = lambda: None
+    rank_session._init_process_group = init
+    return rank_session
+
+
+def test_a_rebuilt_process_group_is_a_rendezvous_of_every_rank(store):
+    # gloo's init returns on one rank before the other has connected; a rank that then failed its
+    # next test at once destroyed the group under its peer's init. renew waits for every rank's.
+    rank0 = _rebuilding_session(store, timeout_s=30)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (rank0.renew(), done.set()))
+    thread.start()
+    try:
+        assert not done.wait(0.5), "renew returned before rank 1 had its group"
+        # rank 1, on a connection of its own (a wait holds its connection until it returns)
+        rank1 = torch_distributed.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+        assert rank1.check(["mfsdp/rebuilt/1/0"])  # rank 0 said it has its own
+        rank1.set("mfsdp/rebuilt/1/1", "1")
+        assert done.wait(5.0)
+        assert rank0.generation == 1
+    finally:
+        thread.join(10)
+
+
+def _raise(error: Exception):
+    def init() -> None:
+        raise error
+
+    return init
+
+
+@pytest.mark.parametrize(
+    "init, error",
+    [
+        (lambda: None, r"DistStoreError: .*wait timeout"),  # rank 1 never has its group
+        (_raise(RuntimeError("Connection closed by peer")), r"RuntimeError: Connection closed by peer$"),
+    ],
+)
+def test_a_rebuild_this_rank_cannot_complete_ends_its_session_naming_why(store, init, error):
+    rank0 = _rebuilding_session(store, init)
+    with pytest.raises(
+        SessionCannotGoOn,
+        match=r"^the process group could not be rebuilt after the test \(generation 1\): " + error,
+    ):
+        rank0.renew()
