@@ -370,8 +370,8 @@ class RankSession:
         except SessionCannotGoOn:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever the backend raised, no test can run now
-            # A peer may have got its end of the new group and gone on to the next test: stopping
-            # here (torchrun then stops it too) is the only end that cannot hang.
+            # The peers wait in the rendezvous above for this rank, which never comes: stopping here
+            # (torchrun, or the peers' own bounded wait, then ends them) is the end that cannot hang.
             raise SessionCannotGoOn(
                 f"the process group could not be rebuilt after the test (generation {self.generation}): "
                 f"{type(exc).__name__}: {first_line(exc)}"
