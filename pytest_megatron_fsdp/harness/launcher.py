@@ -8,6 +8,7 @@ rank stuck in a collective ignores gentler signals).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -327,21 +328,17 @@ def log_excerpt(log: str) -> str:
 
 
 def _shorten_internal_errors(text: str) -> str:
-    lines = text.splitlines()
     kept: list[str] = []
-    run: list[str] = []
-    for line in [*lines, ""]:
-        if line.startswith(INTERNAL_ERROR_PREFIX.rstrip()):
-            run.append(line)
-            continue
-        if len(run) > INTERNAL_ERROR_LINES:
-            left_out = len(run) - INTERNAL_ERROR_LINES
+    for is_error, group in itertools.groupby(
+        text.splitlines(), key=lambda line: line.startswith(INTERNAL_ERROR_PREFIX.rstrip())
+    ):
+        lines = list(group)
+        if is_error and len(lines) > INTERNAL_ERROR_LINES:
+            left_out = len(lines) - INTERNAL_ERROR_LINES
             kept.append(f"{INTERNAL_ERROR_PREFIX}[{left_out} lines of hook calls left out: see the log]")
-            run = run[-INTERNAL_ERROR_LINES:]
-        kept += run
-        run = []
-        kept.append(line)
-    return "\n".join(kept[:-1])
+            lines = lines[-INTERNAL_ERROR_LINES:]
+        kept += lines
+    return "\n".join(kept)
 
 
 def internal_error(log: str) -> str | None:

@@ -360,10 +360,8 @@ class RankSession:
             self._init_process_group()
             # gloo's init is no synchronization point (pytorch#61396): a rank whose init returned
             # first went on to its next test, failed it at once and destroyed the new group while
-            # its peer was still connecting, and the peer's init failed ("Connection closed by
-            # peer"). Measured, torch 2.14.1 on 2 cores with 3 busy processes: 2 ranks rebuilding in
-            # a loop failed within 23 to 250 rebuilds (5 pairs of 5); with this wait, none in 4,200.
-            # No rank leaves until every rank's init has returned.
+            # its peer was still connecting, and the peer's init failed ("Connection closed by peer";
+            # measured in docs/troubleshooting.md). No rank leaves until every rank's init has returned.
             keys = [f"rebuilt/{self.generation}/{rank}" for rank in range(self.env.world_size)]
             self.store.set(keys[self.env.rank], "1")
             self.wait_for_peers(keys, self._pg_timeout, "the other ranks' rebuilt process group")

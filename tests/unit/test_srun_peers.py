@@ -118,7 +118,7 @@ def test_a_store_that_is_gone_is_said_to_be(tmp_path):
 
 def _rebuilding_session(store, init=lambda: None, timeout_s: float = 0.5) -> RankSession:
     """Rank 0 of 2 whose process group ``init`` stands for (no backend: what renew adds is tested)."""
-    rank_session = RankSession.__new__(RankSession)
+    rank_session = _watching_session(store)
     rank_session.env = DistEnv(
         rank=0,
         world_size=2,
@@ -128,7 +128,6 @@ def _rebuilding_session(store, init=lambda: None, timeout_s: float = 0.5) -> Ran
         platform="cpu",
         shared_dir=Path("/unused"),
     )
-    rank_session.store = torch_distributed.PrefixStore("mfsdp", store)
     rank_session.heartbeat = None  # a launched rank set: the parent watches the ranks
     rank_session.generation = 0
     rank_session._pg_timeout = datetime.timedelta(seconds=timeout_s)
