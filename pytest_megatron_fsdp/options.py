@@ -16,15 +16,8 @@ from typing import Any
 
 import pytest
 
-from .fsdp.config import (
-    ConfigError,
-    RunConfig,
-    disable_megatron_fsdp,
-    enable_megatron_fsdp,
-    parse_value,
-    validate,
-)
-from .fsdp.presets import DEFAULT_PRESET, PRESETS
+from .fsdp.config import ConfigError, RunConfig, parse_value, starting_config, validate
+from .fsdp.presets import PRESETS
 from .harness.protocol import add_internal_options
 
 PREFIX = "mfsdp"
@@ -402,11 +395,12 @@ def _parse(option: Option, raw: Any, source: str) -> Any:
 def check_all(config: pytest.Config) -> ResolvedOptions:
     """Resolve every option once, so a bad value anywhere fails at configure time."""
     values = {name: resolve(config, name) for name in OPTIONS}
-    if values["set"] or values["preset"]:
-        _check_run_config(config, values)
     if values["golden"] is not None:
         values["golden"] = str(_golden_root(config, values))
-    return ResolvedOptions.from_values(values)
+    resolved_values = ResolvedOptions.from_values(values)
+    if values["set"] or values["preset"]:
+        _check_run_config(config, resolved_values)
+    return resolved_values
 
 
 def _golden_root(config: pytest.Config, values: dict[str, Any]) -> Path:
@@ -433,25 +427,32 @@ def _single_source(config: pytest.Config, option: Option) -> str:
     return f"ini option {option.ini}"
 
 
-def _check_run_config(config: pytest.Config, values: dict[str, Any]) -> None:
+def checked_starting_config(values: ResolvedOptions, platform: str) -> RunConfig:
+    """The config every test on ``platform`` starts from as the session's options make it (preset,
+    ``--mfsdp-use-megatron-fsdp``, ``--mfsdp-set``), checked by every rule of ``validate()`` that
+    needs no rank; raises ConfigError. The ``run_config`` fixture builds the same config
+    (``fixtures.build_run_config``) for a test with no marker of its own."""
+    cfg = starting_config(
+        platform, preset=values.preset, use_megatron_fsdp=values.use_megatron_fsdp, assignments=values.set
+    )
+    validate(cfg, platform=platform)
+    return cfg
+
+
+def _check_run_config(config: pytest.Config, values: ResolvedOptions) -> None:
     """The ``--mfsdp-set`` assignments together (or the chosen preset alone), on the config every
-    test starts from: every rule of ``validate()`` that needs no rank (choices, ranges, fields that
-    must agree), so a bad value is one line now instead of a failure inside every rank.
+    test starts from: choices, ranges, fields that must agree, so a bad value is one line now
+    instead of a failure inside every rank.
 
     The platform, and with it the default preset, may only be decided later (``auto``): then the
     config is checked as each candidate platform would build it, and refused only when every one
     refuses it (the ranks check the rest before they build anything).
     """
-    platforms = PLATFORMS[1:] if values["platform"] == "auto" else (values["platform"],)
+    platforms = PLATFORMS[1:] if values.platform == "auto" else (values.platform,)
     problems = []
     for platform in platforms:
-        cfg = starting_config(
-            values["preset"] or DEFAULT_PRESET[platform], values["use-megatron-fsdp"], platform
-        )
         try:
-            for assignment in values["set"]:
-                cfg.assign(assignment)
-            validate(cfg, platform=platform)
+            checked_starting_config(values, platform)
         except ConfigError as exc:
             problems.append(str(exc))
             continue
@@ -459,20 +460,6 @@ def _check_run_config(config: pytest.Config, values: dict[str, Any]) -> None:
     source, _ = _multiple_source(config, OPTIONS["set"])
     # no --mfsdp-set: the preset alone is refused (e.g. a HybridModel preset without HybridModel)
     raise OptionError(f"{source or OPTIONS['preset'].flag}: {problems[0]}")
-
-
-def starting_config(preset: str, use_megatron_fsdp: bool, platform: str) -> RunConfig:
-    """The config a test's ``run_config`` starts from, before ``--mfsdp-set`` and the test's own changes."""
-    cfg = enable_megatron_fsdp(RunConfig())
-    cfg.model.preset = preset
-    if not use_megatron_fsdp:
-        disable_megatron_fsdp(cfg)
-        if platform == "cpu":
-            # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks; without
-            # the distributed optimizer, parameter gathering cannot overlap (validate() says why).
-            cfg.ddp.use_distributed_optimizer = False
-            cfg.ddp.overlap_param_gather = False
-    return cfg
 
 
 #: options only the plain-mode parent acts on (it launches the rank sets): refused under torchrun
