@@ -88,14 +88,12 @@ def build_run_config(item: pytest.Item, platform: str, spec: DistributedSpec) ->
     from .fsdp.config import ConfigError, starting_config
 
     config = item.config
-    config_marker = item.get_closest_marker("mfsdp_config")
-    kwargs = dict(config_marker.kwargs) if config_marker else {}
     try:
         cfg = starting_config(
             platform,
-            preset=options.resolved(config).preset,
-            use_megatron_fsdp=options.resolve(config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")),
-            assignments=options.resolve(config, "set", kwargs.get("set")),
+            preset=options.session_values(config).preset,
+            use_megatron_fsdp=options.value_of(config, "use-megatron-fsdp", item).value,
+            assignments=options.value_of(config, "set", item).value,
             tp=spec.tp,
             pp=spec.pp,
             cp=spec.cp,
@@ -103,6 +101,8 @@ def build_run_config(item: pytest.Item, platform: str, spec: DistributedSpec) ->
     except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
         pytest.fail(f"{item.nodeid}: mfsdp_config marker: {exc}", pytrace=False)
     # the marker's choices win over --mfsdp-set, as its set= does; each skips where missing
+    config_marker = item.get_closest_marker(options.CONFIG_MARKER)
+    kwargs = dict(config_marker.kwargs) if config_marker else {}
     if kwargs.get("megatron_fsdp_version") is not None:
         use_megatron_fsdp_version(cfg, kwargs["megatron_fsdp_version"])
     if kwargs.get("hybrid"):

@@ -203,7 +203,7 @@ class Controller:
     def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
         """pytest-timeout: no timer of its own around a distributed test here. The controller owns
         that test's deadline (its timeout, pytest-timeout's settings among the sources: see
-        ``marker.resolve_timeout``); a SIGALRM in its wait would end the session, a timer thread's
+        ``options.value_of``); a SIGALRM in its wait would end the session, a timer thread's
         ``os._exit`` would leave the rank set running."""
         return True if self._runs(item) else None
 

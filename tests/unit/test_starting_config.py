@@ -50,12 +50,12 @@ def test_the_configure_time_check_and_the_fixture_build_one_config(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     item = _item(pytester, UNMARKED, f"--mfsdp-platform={platform}", *args)
-    checked = options.checked_starting_config(options.resolved(item.config), platform)
+    checked = options.checked_starting_config(options.session_values(item.config), platform)
     spec = marker.parse(item)
     assert spec is not None
     assert build_run_config(item, platform, spec) == checked
     # and what the options say is in it (the comparison is not of two untouched defaults)
-    values = options.resolved(item.config)
+    values = options.session_values(item.config)
     assert checked.model.preset == (values.preset or DEFAULT_PRESET[platform])
     assert checked.uses_megatron_fsdp is values.use_megatron_fsdp
     for assignment in values.set:
