@@ -41,5 +41,6 @@ class DistributedSpec:
     reruns: int = 0
     #: the kinds of failure that are rerun (``--mfsdp-only-rerun``); empty: every kind
     only_rerun: tuple[str, ...] = ()
-    #: where ``timeout_s`` came from, a source label of its chain (e.g. "--mfsdp-timeout")
+    #: where ``timeout_s`` came from, a source label of its chain (e.g. "--mfsdp-timeout"), shown
+    #: when the test times out
     timeout_source: str = "default"
