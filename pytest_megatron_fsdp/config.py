@@ -13,6 +13,8 @@ from .fsdp.config import (
     findings,
     fix_checkpoint_format,
     recipe_fixup,
+    starting_config,
+    use_megatron_ddp,
     validate,
 )
 
@@ -29,5 +31,7 @@ __all__ = [
     "findings",
     "fix_checkpoint_format",
     "recipe_fixup",
+    "starting_config",
+    "use_megatron_ddp",
     "validate",
 ]

@@ -34,11 +34,13 @@ class DistributedSpec:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    #: seconds, resolved once: marker ``timeout=`` > ``@pytest.mark.timeout`` > ``--mfsdp-timeout`` >
-    #: env > ini > pytest-timeout's ``--timeout`` > its env > its ini > default
+    #: seconds, looked up once through ``--mfsdp-timeout``'s chain (the marker's ``timeout=`` first)
     timeout_s: float = 300.0
-    #: plain mode: attempts after a failure, each in a fresh rank set (marker ``reruns=`` > options;
-    #: pytest-rerunfailures' settings count too)
+    #: plain mode: attempts after a failure, each in a fresh rank set (``--mfsdp-reruns``' chain:
+    #: the marker's ``reruns=``, pytest-rerunfailures' settings count too)
     reruns: int = 0
     #: the kinds of failure that are rerun (``--mfsdp-only-rerun``); empty: every kind
     only_rerun: tuple[str, ...] = ()
+    #: where ``timeout_s`` came from, a source label of its chain (e.g. "--mfsdp-timeout"), shown
+    #: when the test times out
+    timeout_source: str = "default"

@@ -14,7 +14,6 @@ import pytest
 from . import options
 from .environment import DistEnv, DistributedSpec
 from .fsdp.config import RunConfig
-from .fsdp.presets import DEFAULT_PRESET
 from .harness.protocol import spec_of
 from .harness.session import RANK_SESSION, RankSession
 
@@ -77,31 +76,33 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     The preset is ``--mfsdp-preset`` or the platform's default (tiny on CPU, the Bridge reference
     model on GPUs); tp/pp/cp follow the test's marker.
     """
-    from .fsdp.config import ConfigError, disable_megatron_fsdp, enable_megatron_fsdp
+    return build_run_config(request.node, megatron_parallel.platform, _spec(request))
 
-    spec = _spec(request)
-    cfg = enable_megatron_fsdp(RunConfig())
-    cfg.model.preset = options.resolved(request.config).preset or DEFAULT_PRESET[megatron_parallel.platform]
-    cfg.model.tensor_model_parallel_size = spec.tp
-    cfg.model.pipeline_model_parallel_size = spec.pp
-    cfg.model.context_parallel_size = spec.cp
-    # --mfsdp-use-megatron-fsdp / --mfsdp-set, or @pytest.mark.mfsdp_config(use_megatron_fsdp=, set=,
-    # megatron_fsdp_version=, hybrid=)
-    config_marker = request.node.get_closest_marker("mfsdp_config")
-    kwargs = dict(config_marker.kwargs) if config_marker else {}
-    if not options.resolve(request.config, "use-megatron-fsdp", kwargs.get("use_megatron_fsdp")):
-        disable_megatron_fsdp(cfg)
-        if megatron_parallel.platform == "cpu":
-            # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks; without
-            # the distributed optimizer, parameter gathering cannot overlap (validate() says why).
-            cfg.ddp.use_distributed_optimizer = False
-            cfg.ddp.overlap_param_gather = False
-    for assignment in options.resolve(request.config, "set", kwargs.get("set")):
-        try:
-            cfg.assign(assignment)
-        except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
-            pytest.fail(f"{request.node.nodeid}: mfsdp_config marker: {exc}", pytrace=False)
+
+def build_run_config(item: pytest.Item, platform: str, spec: DistributedSpec) -> RunConfig:
+    """``run_config``'s value for ``item`` on ``platform``: the starting config
+    (``fsdp.config.starting_config``) as the session's options and the test's own
+    ``@pytest.mark.mfsdp_config(use_megatron_fsdp=, set=, megatron_fsdp_version=, hybrid=)`` make it,
+    with the marker's tp/pp/cp. For a test with no marker of its own it equals the config checked at
+    configure time (``options.checked_starting_config``)."""
+    from .fsdp.config import ConfigError, starting_config
+
+    config = item.config
+    try:
+        cfg = starting_config(
+            platform,
+            preset=options.session_values(config).preset,
+            use_megatron_fsdp=options.value_of(config, "use-megatron-fsdp", item).value,
+            assignments=options.value_of(config, "set", item).value,
+            tp=spec.tp,
+            pp=spec.pp,
+            cp=spec.cp,
+        )
+    except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
+        pytest.fail(f"{item.nodeid}: mfsdp_config marker: {exc}", pytrace=False)
     # the marker's choices win over --mfsdp-set, as its set= does; each skips where missing
+    config_marker = item.get_closest_marker(options.CONFIG_MARKER)
+    kwargs = dict(config_marker.kwargs) if config_marker else {}
     if kwargs.get("megatron_fsdp_version") is not None:
         use_megatron_fsdp_version(cfg, kwargs["megatron_fsdp_version"])
     if kwargs.get("hybrid"):

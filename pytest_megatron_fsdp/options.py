@@ -1,36 +1,37 @@
-"""The plugin's options: one registry, one prefix, one precedence rule.
+"""The plugin's options: one registry, each option's precedence chain declared beside it, one lookup.
 
 Every option can be given as a command-line flag (``--mfsdp-<name>``), an environment variable
-(``MFSDP_<NAME>``) or an ini key (``mfsdp_<name>``); per-test ones also as a marker kwarg. Precedence,
-as in pytest-timeout: marker > command line > environment > ini > default. Values are checked
-here, at configure time, so a typo ends the session with one line before any rank starts.
+(``MFSDP_<NAME>``) or an ini key (``mfsdp_<name>``); per-test ones also as a marker kwarg, and some
+take another plugin's setting as a source (pytest-timeout's, pytest-rerunfailures'). Each
+:class:`Option` lists its sources, highest first, in ``chain``; :func:`value_of` walks that chain and
+returns the value with the label of the source it came from, as pytest-timeout labels each setting
+(``--mfsdp-timeout``, ``MFSDP_TIMEOUT``, ``ini mfsdp_timeout``, ``@pytest.mark.timeout``, ``default``).
+docs/options.md's precedence table states the chains in prose (tests/unit/test_docs.py holds it to
+this data). Values are checked at configure time, so a typo ends the session with one line before
+any rank starts. What is read of other plugins lives in ``harness.coexist``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .fsdp.config import (
-    ConfigError,
-    RunConfig,
-    disable_megatron_fsdp,
-    enable_megatron_fsdp,
-    parse_value,
-    validate,
-)
-from .fsdp.presets import DEFAULT_PRESET, PRESETS
-from .harness.protocol import add_internal_options
+from .fsdp.config import ConfigError, RunConfig, parse_value, starting_config, validate
+from .fsdp.presets import PRESETS
+from .harness import coexist
+from .harness.protocol import MARKER, add_internal_options
 
 PREFIX = "mfsdp"
 PLATFORMS = ("auto", "cpu", "cuda")
 #: the kinds of failure --mfsdp-only-rerun chooses from (see harness.controller.failure_kind)
 RERUN_KINDS = ("timeout", "rank-death", "failure")
+#: the per-test marker of run_config's choices (``@pytest.mark.mfsdp_config(set=..., ...)``)
+CONFIG_MARKER = "mfsdp_config"
 
 
 def _positive_float(text: str) -> float:
@@ -82,6 +83,102 @@ def _boolean(text: str) -> bool:
         raise ValueError("choose true or false") from None
 
 
+# -- the sources an option's value can come from ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """An option's value and where it came from: the label of the source in its chain that gave it."""
+
+    value: Any
+    source: str
+
+
+class _Own:
+    """A source of this plugin's own: it gives raw text (a string, or a list for a repeatable
+    option), which the option's ``parse`` checks."""
+
+    per_test = False
+
+    def label(self, option: Option) -> str:
+        raise NotImplementedError
+
+    def where(self, option: Option) -> str:
+        """How an error message names this source."""
+        return self.label(option)
+
+    def raw(self, config: pytest.Config, option: Option, item: pytest.Item | None) -> Any:
+        """What this source gives (None: nothing)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MarkerKwarg(_Own):
+    """A kwarg of this plugin's per-test marker: ``@pytest.mark.<marker>(<kwarg>=...)``."""
+
+    marker: str
+    kwarg: str
+    per_test = True
+
+    def label(self, option: Option) -> str:
+        return f"@pytest.mark.{self.marker}({self.kwarg}=...)"
+
+    def raw(self, config: pytest.Config, option: Option, item: pytest.Item | None) -> Any:
+        found = item.get_closest_marker(self.marker) if item is not None else None
+        return None if found is None else found.kwargs.get(self.kwarg)
+
+
+class _CommandLine(_Own):
+    def label(self, option: Option) -> str:
+        return option.flag
+
+    def raw(self, config: pytest.Config, option: Option, item: pytest.Item | None) -> Any:
+        value = getattr(config.option, option.dest, None)
+        if value is None:  # before pytest_configure only the early parse holds the flags
+            value = getattr(config.known_args_namespace, option.dest, None)
+        return (value or None) if option.multiple else value
+
+
+class _Environment(_Own):
+    def label(self, option: Option) -> str:
+        return option.env
+
+    def where(self, option: Option) -> str:
+        return f"environment variable {option.env}"
+
+    def raw(self, config: pytest.Config, option: Option, item: pytest.Item | None) -> Any:
+        text = os.environ.get(option.env) or None
+        if text is None or not option.multiple:
+            return text
+        return [one for one in text.split(";") if one.strip()] or None
+
+
+class _IniFile(_Own):
+    def label(self, option: Option) -> str:
+        return f"ini {option.ini}"
+
+    def where(self, option: Option) -> str:
+        return f"ini option {option.ini}"
+
+    def raw(self, config: pytest.Config, option: Option, item: pytest.Item | None) -> Any:
+        value = config.getini(option.ini)
+        if option.multiple:
+            return [one for one in value if one.strip()] or None
+        return value or None
+
+
+class _Default(_Own):
+    def label(self, option: Option) -> str:
+        return "default"
+
+
+COMMAND_LINE, ENVIRONMENT, INI_FILE, DEFAULT = _CommandLine(), _Environment(), _IniFile(), _Default()
+#: one place in a chain: a source of this plugin's own, or another plugin's setting
+Level = _Own | coexist.ForeignLevel
+#: the chain of an option with no per-test source: command line > environment > ini > default
+SESSION_CHAIN: tuple[Level, ...] = (COMMAND_LINE, ENVIRONMENT, INI_FILE, DEFAULT)
+
+
 @dataclass(frozen=True)
 class Option:
     name: str  # e.g. "platform": --mfsdp-platform, MFSDP_PLATFORM, mfsdp_platform
@@ -89,8 +186,14 @@ class Option:
     parse: Callable[[str], Any]
     default: Any = None
     metavar: str | None = None
-    #: repeatable (``--flag a --flag b``; env: ``;``-separated; ini: one per line); resolves to a tuple
+    #: repeatable (``--flag a --flag b``; env: ``;``-separated; ini: one per line); a tuple of values,
+    #: all from the highest source that gives any
     multiple: bool = False
+    #: where the value comes from, highest first (docs/options.md's precedence table states it)
+    chain: tuple[Level, ...] = SESSION_CHAIN
+    #: why only the plain-mode parent acts on it (it launches the rank sets): given for the run
+    #: (flag, environment) under torchrun it is refused; the ini key is a standing setting, unused there
+    plain_mode_only: str | None = None
 
     @property
     def flag(self) -> str:
@@ -107,6 +210,22 @@ class Option:
     @property
     def ini(self) -> str:
         return self.dest
+
+    def chain_labels(self) -> list[str]:
+        """Its sources' labels, highest first: the precedence docs/options.md's table states (a
+        foreign level covers several sources of its plugin's)."""
+        return [
+            label
+            for level in self.chain
+            for label in (level.labels if isinstance(level, coexist.ForeignLevel) else (level.label(self),))
+        ]
+
+    def where(self, source: str) -> str:
+        """How an error message names the source labelled ``source``."""
+        for level in self.chain:
+            if isinstance(level, _Own) and level.label(self) == source:
+                return level.where(self)
+        return source
 
 
 OPTIONS: dict[str, Option] = {
@@ -131,6 +250,13 @@ OPTIONS: dict[str, Option] = {
             _positive_float,
             300.0,
             "SECONDS",
+            chain=(
+                MarkerKwarg(MARKER, "timeout"),
+                coexist.PYTEST_TIMEOUT_MARKER,
+                *SESSION_CHAIN[:3],
+                coexist.PYTEST_TIMEOUT_OPTIONS,
+                DEFAULT,
+            ),
         ),
         Option(
             "reruns",
@@ -139,6 +265,16 @@ OPTIONS: dict[str, Option] = {
             _non_negative_int,
             0,
             "N",
+            chain=(
+                coexist.RERUNFAILURES_FORCED,
+                MarkerKwarg(MARKER, "reruns"),
+                coexist.RERUNFAILURES_MARKER,
+                *SESSION_CHAIN[:3],
+                coexist.RERUNFAILURES_OPTIONS,
+                DEFAULT,
+            ),
+            plain_mode_only="each attempt needs a fresh rank set, which only plain mode (pytest, not "
+            "torchrun) launches; a torchrun rank cannot restart its own process group",
         ),
         Option(
             "only-rerun",
@@ -151,6 +287,9 @@ OPTIONS: dict[str, Option] = {
             (),
             "KIND",
             multiple=True,
+            chain=(MarkerKwarg(MARKER, "only_rerun"), *SESSION_CHAIN),
+            plain_mode_only="it chooses which failures are rerun, and only plain mode (pytest, not "
+            "torchrun) reruns",
         ),
         Option(
             "log-dir",
@@ -184,6 +323,7 @@ OPTIONS: dict[str, Option] = {
             (),
             "SECTION.FIELD=VALUE",
             multiple=True,
+            chain=(MarkerKwarg(CONFIG_MARKER, "set"), *SESSION_CHAIN),
         ),
         Option(
             "use-megatron-fsdp",
@@ -192,6 +332,7 @@ OPTIONS: dict[str, Option] = {
             _boolean,
             True,
             "true|false",
+            chain=(MarkerKwarg(CONFIG_MARKER, "use_megatron_fsdp"), *SESSION_CHAIN),
         ),
         Option(
             "distributed-logs",
@@ -253,12 +394,67 @@ class OptionError(pytest.UsageError):
     pass
 
 
+def value_of(
+    config: pytest.Config, name: str, item: pytest.Item | None = None, chain: tuple[Level, ...] | None = None
+) -> Setting:
+    """The option's value, parsed and checked, from the first source of its chain that gives one,
+    labelled with that source. Without ``item`` the per-test sources (markers, other plugins'
+    settings) are passed over: the session's value. ``chain``: only these sources (by default the
+    option's whole chain)."""
+    option = OPTIONS[name]
+    for level in option.chain if chain is None else chain:
+        if isinstance(level, coexist.ForeignLevel):
+            found = level.setting(item) if item is not None else None
+            if found is not None:
+                return Setting(found.value, found.source)
+            continue
+        if level is DEFAULT:
+            return Setting(option.default, level.label(option))
+        if level.per_test and item is None:
+            continue
+        raw = level.raw(config, option, item)
+        if raw is not None:
+            return Setting(_parse(option, raw, level.where(option)), level.label(option))
+    return Setting(option.default, DEFAULT.label(option))
+
+
+def _parse(option: Option, raw: Any, where: str) -> Any:
+    if option.multiple:
+        items = [raw] if isinstance(raw, str) else list(raw)
+        return tuple(_parse_one(option, one, where) for one in items)
+    return _parse_one(option, raw, where)
+
+
+def _parse_one(option: Option, raw: Any, where: str) -> Any:
+    if not isinstance(raw, str):
+        raw = str(raw)
+    try:
+        return option.parse(raw.strip())
+    except ValueError as exc:
+        raise OptionError(f"{where}: invalid value {raw!r} for {option.flag}: {exc}") from None
+
+
+def options_given(config: pytest.Config) -> list[str]:
+    """The sources of the plugin's own session options that the user gave (flag, environment
+    variable, ini key), unchecked: a session with none, and no test that uses the plugin, is left
+    as it would be without it."""
+    return [
+        level.label(option)
+        for option in OPTIONS.values()
+        for level in (COMMAND_LINE, ENVIRONMENT, INI_FILE)
+        if level.raw(config, option, None) is not None
+    ]
+
+
+# -- the session's values -------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class ResolvedOptions:
-    """Every option's value for the session, resolved once at configure time (command line >
-    environment > ini > default) and checked; one attribute per option of :data:`OPTIONS`
-    (``golden-mode`` -> ``golden_mode``). A test's marker may still win over some of them:
-    :func:`resolve` with the marker's value."""
+class SessionValues:
+    """Every option's session value, looked up once at configure time (:func:`check_at_configure`)
+    and checked: one attribute per option of :data:`OPTIONS` (``golden-mode`` -> ``golden_mode``),
+    and where each came from. A test's own sources may still win over some of them: :func:`value_of`
+    with the test."""
 
     platform: str
     preset: str | None
@@ -278,20 +474,27 @@ class ResolvedOptions:
     golden: str | None
     golden_mode: str
     plot: str | None
+    #: option name -> the label of the source its value came from (``"--mfsdp-set"``, ``"default"``)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_values(cls, values: dict[str, Any]) -> ResolvedOptions:
-        """From ``{option name: value}``, every option of :data:`OPTIONS` (and no other) given."""
-        return cls(**{name.replace("-", "_"): value for name, value in values.items()})
+    def from_settings(cls, settings: Mapping[str, Setting]) -> SessionValues:
+        """From ``{option name: setting}``, every option of :data:`OPTIONS` (and no other) given."""
+        values = {name.replace("-", "_"): setting.value for name, setting in settings.items()}
+        return cls(**values, sources={name: setting.source for name, setting in settings.items()})
+
+    def source_of(self, name: str) -> str:
+        """Where option ``name``'s session value came from."""
+        return self.sources[name]
 
 
-#: the session's resolved options (stashed at configure time; :func:`resolved` reads them)
-OPTION_VALUES = pytest.StashKey[ResolvedOptions]()
+#: the session's values (stashed at configure time; :func:`session_values` reads them)
+SESSION_VALUES = pytest.StashKey[SessionValues]()
 
 
-def resolved(config: pytest.Config) -> ResolvedOptions:
-    """The session's options, as resolved at configure time."""
-    return config.stash[OPTION_VALUES]
+def session_values(config: pytest.Config) -> SessionValues:
+    """The session's option values, as looked up and checked at configure time."""
+    return config.stash[SESSION_VALUES]
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -314,203 +517,96 @@ def add_options(parser: pytest.Parser) -> None:
     add_internal_options(group)
 
 
-def resolve(config: pytest.Config, name: str, marker_value: Any = None) -> Any:
-    """The option's value by precedence marker > CLI > env > ini > default, parsed and checked."""
-    option = OPTIONS[name]
-    if option.multiple:
-        return _resolve_multiple(config, option, marker_value)
-    if marker_value is not None:
-        return _parse(option, marker_value, "marker kwarg")
-    # Before pytest_configure only the early parse (known_args_namespace) holds the flags.
-    cli = getattr(config.option, option.dest, None)
-    if cli is None:
-        cli = getattr(config.known_args_namespace, option.dest, None)
-    for source, raw in (
-        (option.flag, cli),
-        (f"environment variable {option.env}", os.environ.get(option.env) or None),
-        (f"ini option {option.ini}", config.getini(option.ini) or None),
-    ):
-        if raw is not None:
-            return _parse(option, raw, source)
-    return option.default
+def check_at_configure(config: pytest.Config) -> SessionValues:
+    """Every option's session value, looked up once, so that a bad value anywhere fails at
+    configure time; the config every test starts from is checked too where options shape it."""
+    settings = {name: value_of(config, name) for name in OPTIONS}
+    golden = settings["golden"]
+    if golden.value is not None:
+        root = _golden_root(config, golden, settings["golden-mode"].value)
+        settings["golden"] = Setting(str(root), golden.source)
+    values = SessionValues.from_settings(settings)
+    if values.set or values.preset:
+        _check_starting_config(values)
+    return values
 
 
-def any_given(config: pytest.Config) -> list[str]:
-    """Where the user gave any of the plugin's options (flag, environment variable, ini key): a
-    session with none, and no test that uses the plugin, is left as it would be without it."""
-    found = []
-    for option in OPTIONS.values():
-        cli = getattr(config.option, option.dest, None)
-        if cli is None:
-            cli = getattr(config.known_args_namespace, option.dest, None)
-        if cli not in (None, []):
-            found.append(option.flag)
-        if os.environ.get(option.env):
-            found.append(f"environment variable {option.env}")
-        if config.getini(option.ini):
-            found.append(f"ini option {option.ini}")
-    return found
-
-
-def _resolve_multiple(config: pytest.Config, option: Option, marker_value: Any) -> tuple[Any, ...]:
-    """A repeatable option: the highest-precedence source that gives any value gives all of them."""
-    if marker_value is not None:
-        items = [marker_value] if isinstance(marker_value, str) else list(marker_value)
-        return tuple(_parse(option, item, "marker kwarg") for item in items)
-    source, items = _multiple_source(config, option)
-    return tuple(_parse(option, item, source) for item in items) if items else tuple(option.default or ())
-
-
-def _multiple_source(config: pytest.Config, option: Option) -> tuple[str, list[str]]:
-    """(where a repeatable option's values come from, the raw values); ("", []) when none given."""
-    cli = getattr(config.option, option.dest, None)
-    if cli is None:
-        cli = getattr(config.known_args_namespace, option.dest, None)
-    env = [item for item in os.environ.get(option.env, "").split(";") if item.strip()]
-    ini = [item for item in config.getini(option.ini) if item.strip()]
-    for source, items in (
-        (option.flag, cli or []),
-        (f"environment variable {option.env}", env),
-        (f"ini option {option.ini}", ini),
-    ):
-        if items:
-            return source, list(items)
-    return "", []
-
-
-def given(config: pytest.Config, name: str) -> bool:
-    """Whether the command line, the environment or the ini file gives the option a value (its
-    default then does not apply: a lower-precedence source, such as another plugin's setting, may)."""
-    option = OPTIONS[name]
-    if option.multiple:
-        return bool(_multiple_source(config, option)[1])
-    cli = getattr(config.option, option.dest, None)
-    if cli is None:
-        cli = getattr(config.known_args_namespace, option.dest, None)
-    return cli is not None or bool(os.environ.get(option.env)) or bool(config.getini(option.ini))
-
-
-def _parse(option: Option, raw: Any, source: str) -> Any:
-    if not isinstance(raw, str):
-        raw = str(raw)
-    try:
-        return option.parse(raw.strip())
-    except ValueError as exc:
-        raise OptionError(f"{source}: invalid value {raw!r} for {option.flag}: {exc}") from None
-
-
-def check_all(config: pytest.Config) -> ResolvedOptions:
-    """Resolve every option once, so a bad value anywhere fails at configure time."""
-    values = {name: resolve(config, name) for name in OPTIONS}
-    if values["set"] or values["preset"]:
-        _check_run_config(config, values)
-    if values["golden"] is not None:
-        values["golden"] = str(_golden_root(config, values))
-    return ResolvedOptions.from_values(values)
-
-
-def _golden_root(config: pytest.Config, values: dict[str, Any]) -> Path:
+def _golden_root(config: pytest.Config, golden: Setting, mode: str) -> Path:
     """``--mfsdp-golden``'s directory, absolute (relative: to the invocation directory). Compare
     mode needs it to exist; record mode makes it."""
-    root = Path(values["golden"]).expanduser()
+    root = Path(golden.value).expanduser()
     if not root.is_absolute():
         root = Path(config.invocation_params.dir) / root
-    if values["golden-mode"] == "compare" and not root.is_dir():
-        source = _single_source(config, OPTIONS["golden"])
+    if mode == "compare" and not root.is_dir():
         raise OptionError(
-            f"{source}={values['golden']}: no such directory; record golden values first "
-            "(--mfsdp-golden-mode=record, or make golden) or point it at the directory that holds them"
+            f"{OPTIONS['golden'].where(golden.source)}={golden.value}: no such directory; record golden "
+            "values first (--mfsdp-golden-mode=record, or make golden) or point it at the directory "
+            "that holds them"
         )
     return root
 
 
-def _single_source(config: pytest.Config, option: Option) -> str:
-    """Where a single-valued option's value came from (for messages)."""
-    if getattr(config.option, option.dest, None) is not None:
-        return option.flag
-    if os.environ.get(option.env):
-        return f"environment variable {option.env}"
-    return f"ini option {option.ini}"
+def checked_starting_config(values: SessionValues, platform: str) -> RunConfig:
+    """The config every test on ``platform`` starts from as the session's options make it (preset,
+    ``--mfsdp-use-megatron-fsdp``, ``--mfsdp-set``), checked by every rule of ``validate()`` that
+    needs no rank; raises ConfigError. The ``run_config`` fixture builds the same config
+    (``fixtures.build_run_config``) for a test with no marker of its own."""
+    cfg = starting_config(
+        platform, preset=values.preset, use_megatron_fsdp=values.use_megatron_fsdp, assignments=values.set
+    )
+    validate(cfg, platform=platform)
+    return cfg
 
 
-def _check_run_config(config: pytest.Config, values: dict[str, Any]) -> None:
+def _check_starting_config(values: SessionValues) -> None:
     """The ``--mfsdp-set`` assignments together (or the chosen preset alone), on the config every
-    test starts from: every rule of ``validate()`` that needs no rank (choices, ranges, fields that
-    must agree), so a bad value is one line now instead of a failure inside every rank.
+    test starts from: choices, ranges, fields that must agree, so a bad value is one line now
+    instead of a failure inside every rank.
 
     The platform, and with it the default preset, may only be decided later (``auto``): then the
     config is checked as each candidate platform would build it, and refused only when every one
     refuses it (the ranks check the rest before they build anything).
     """
-    platforms = PLATFORMS[1:] if values["platform"] == "auto" else (values["platform"],)
+    platforms = PLATFORMS[1:] if values.platform == "auto" else (values.platform,)
     problems = []
     for platform in platforms:
-        cfg = starting_config(
-            values["preset"] or DEFAULT_PRESET[platform], values["use-megatron-fsdp"], platform
-        )
         try:
-            for assignment in values["set"]:
-                cfg.assign(assignment)
-            validate(cfg, platform=platform)
+            checked_starting_config(values, platform)
         except ConfigError as exc:
             problems.append(str(exc))
             continue
         return
-    source, _ = _multiple_source(config, OPTIONS["set"])
     # no --mfsdp-set: the preset alone is refused (e.g. a HybridModel preset without HybridModel)
-    raise OptionError(f"{source or OPTIONS['preset'].flag}: {problems[0]}")
+    name = "set" if values.set else "preset"
+    raise OptionError(f"{OPTIONS[name].where(values.source_of(name))}: {problems[0]}")
 
 
-def starting_config(preset: str, use_megatron_fsdp: bool, platform: str) -> RunConfig:
-    """The config a test's ``run_config`` starts from, before ``--mfsdp-set`` and the test's own changes."""
-    cfg = enable_megatron_fsdp(RunConfig())
-    cfg.model.preset = preset
-    if not use_megatron_fsdp:
-        disable_megatron_fsdp(cfg)
-        if platform == "cpu":
-            # Megatron DDP + DistributedOptimizer fails a torch.cuda type check on CPU ranks; without
-            # the distributed optimizer, parameter gathering cannot overlap (validate() says why).
-            cfg.ddp.use_distributed_optimizer = False
-            cfg.ddp.overlap_param_gather = False
-    return cfg
-
-
-#: options only the plain-mode parent acts on (it launches the rank sets): refused under torchrun
-#: when given for the run (flag, environment); the ini key is a standing setting, unused there
-PLAIN_MODE_ONLY = {
-    "reruns": "each attempt needs a fresh rank set, which only plain mode (pytest, not torchrun) launches; "
-    "a torchrun rank cannot restart its own process group",
-    "only-rerun": "it chooses which failures are rerun, and only plain mode (pytest, not torchrun) reruns",
-}
+# -- torchrun mode, launched rank sets --------------------------------------------------------------
 
 
 def refuse_plain_mode_only(config: pytest.Config) -> None:
-    """Under torchrun: one usage line for a plain-mode-only option given a value that acts."""
-    for name, why in PLAIN_MODE_ONLY.items():
-        option = OPTIONS[name]
-        for source, raw in (
-            (option.flag, getattr(config.option, option.dest, None)),
-            (f"environment variable {option.env}", os.environ.get(option.env) or None),
-        ):
-            if raw is not None and option.multiple:
-                raw = ";".join(raw) if isinstance(raw, list) else raw
-                acts = any(_parse(option, one, source) for one in raw.split(";") if one.strip())
-            else:
-                acts = raw is not None and _parse(option, raw, source)
-            if acts:
-                raise OptionError(
-                    f"{source}={raw}: not under torchrun: {why}; run plain pytest to rerun failed tests"
-                )
+    """Under torchrun: one usage line for a plain-mode-only option whose value, given for this run
+    (flag or environment variable), would act."""
+    for option in OPTIONS.values():
+        if option.plain_mode_only is None:
+            continue
+        setting = value_of(config, option.name, chain=(COMMAND_LINE, ENVIRONMENT, DEFAULT))
+        if not setting.value:
+            continue
+        shown = ";".join(setting.value) if option.multiple else setting.value
+        raise OptionError(
+            f"{option.where(setting.source)}={shown}: not under torchrun: {option.plain_mode_only}; "
+            "run plain pytest to rerun failed tests"
+        )
 
 
-def forwarded_args(
-    config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir", *PLAIN_MODE_ONLY)
-) -> list[str]:
-    """The options given on this command line, as flags for a launched rank set's pytest."""
+def forwarded_args(config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir")) -> list[str]:
+    """The options given on this command line, as flags for a launched rank set's pytest (not the
+    plain-mode-only ones, which the parent acts on)."""
     args = []
     for option in OPTIONS.values():
-        value = getattr(config.option, option.dest, None)
-        if value is None or option.name in skip:
+        value = COMMAND_LINE.raw(config, option, None)
+        if value is None or option.name in skip or option.plain_mode_only is not None:
             continue
         for one in value if option.multiple else [value]:
             args.append(f"{option.flag}={one}")

@@ -53,7 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "run_config overrides for one test (wins over --mfsdp-use-megatron-fsdp / --mfsdp-set); "
         "megatron_fsdp_version=2 and hybrid=True skip where megatron-core lacks V2 / HybridModel",
     )
-    values = config.stash[options.OPTION_VALUES] = options.check_all(config)
+    values = config.stash[options.SESSION_VALUES] = options.check_at_configure(config)
     config.stash[RANK_SESSION] = None
     role = roles.role_of(config)
     plugin = role.plugin_class.create(config, role, values)
@@ -78,7 +78,7 @@ def _golden_values(item: pytest.Item, report: pytest.TestReport) -> None:
     """--mfsdp-golden, in the process that ran the test (a rank: its runs are recorded there, the
     same on every rank): record the golden file (rank 0 writes it), or compare with it and fail
     the test's call with one line per difference."""
-    values = options.resolved(item.config)
+    values = options.session_values(item.config)
     if values.golden is None:
         return
     from .fsdp import versions

@@ -134,7 +134,7 @@ class RolePlugin:
         """At ``pytest_cmdline_main``: command-line settings pytest reads at configure."""
 
     @classmethod
-    def create(cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions) -> RolePlugin:
+    def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> RolePlugin:
         """The plugin object registered for this role; every role class defines its own."""
         raise NotImplementedError
 
@@ -145,7 +145,7 @@ class RolePlugin:
 def _show_summary(terminalreporter: Any, config: pytest.Config, mode: str) -> None:
     from .reporting import report  # plain Python, no torch
 
-    values = options.resolved(config)
+    values = options.session_values(config)
     reports = [r for category in terminalreporter.stats.values() for r in category]
     json_path, plot_path = (_in_invocation_dir(config, path) for path in (values.report_json, values.plot))
     report.terminal_summary(
@@ -169,9 +169,7 @@ class ParentPlugin(Controller, RolePlugin):
     NAME = "mfsdp-controller"
 
     @classmethod
-    def create(
-        cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions
-    ) -> ParentPlugin:
+    def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> ParentPlugin:
         return cls(config, options.forwarded_args(config), values.log_dir)
 
     def registered(self) -> None:
@@ -203,7 +201,7 @@ class ParentPlugin(Controller, RolePlugin):
         if not distributed:
             self.close_all()  # a prestarted rank set, deselected
             return
-        lines = plan_platforms(self, options.resolved(config).platform, distributed)
+        lines = plan_platforms(self, options.session_values(config).platform, distributed)
         try:
             gpu_slice = self.plan_gpu_slice()  # pytest-xdist workers on a GPU node: their own GPUs
         except GpuSliceError as exc:
@@ -261,8 +259,8 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         # start (a bad value, no GPU): a usage error here ends the rank without pytest_unconfigure,
         # which would leave a private temp tree behind.
         assert role.torchrun is not None
-        debug_collectives = options.resolve(config, "debug-collectives")
-        choice = select_platform(options.resolve(config, "platform"), role.torchrun.local_world_size)
+        debug_collectives = options.value_of(config, "debug-collectives").value
+        choice = select_platform(options.value_of(config, "platform").value, role.torchrun.local_world_size)
         cls._prepare_temp(config, role.torchrun)
         if debug_collectives:
             # before any conftest or test module can create a process group or read the setting
@@ -306,7 +304,7 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
 
     @classmethod
     def create(
-        cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions
+        cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues
     ) -> _RankRolePlugin:
         assert role.torchrun is not None
         return cls(
@@ -334,14 +332,14 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         super().pytest_collection_modifyitems(config, items)  # a launched rank set: the parent's batch
 
     def _shared_root(self, config: pytest.Config) -> str | None:
-        return options.resolved(config).shared_dir
+        return options.session_values(config).shared_dir
 
     def timeout_for(self, item: pytest.Item) -> float:
         # a test without the marker in a torchrun rank session: by the same precedence, without the
         # distributed marker (pytest-timeout's marker, --mfsdp-timeout, pytest-timeout's options)
         if item.nodeid in self._batch_timeouts or protocol.spec_of(item) is not None:
             return super().timeout_for(item)
-        return marker.resolve_timeout(item)
+        return float(options.value_of(item.config, "timeout", item).value)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -354,7 +352,7 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         rank_session = RankSession.start(
             self.torchrun,
             config.stash[PLATFORM],
-            pg_timeout_s=options.resolved(config).pg_timeout,
+            pg_timeout_s=options.session_values(config).pg_timeout,
             shared_root=self._shared_root(config),
         )
         config.stash[RANK_SESSION] = rank_session
@@ -420,7 +418,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
 
     @classmethod
     def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:
-        if not config.stash.get(_AWAITING, False) and not options.any_given(config):
+        if not config.stash.get(_AWAITING, False) and not options.options_given(config):
             config.stash[_AWAITING] = True
             return
         if role.srun is not None:
@@ -471,7 +469,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
             config.option.basetemp = str(config.stash[_RANK_TEMP] / "basetemp")
 
     @classmethod
-    def create(cls, config: pytest.Config, role: ProcessRole, values: options.ResolvedOptions) -> RolePlugin:
+    def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> RolePlugin:
         if config.stash.get(_AWAITING, False):
             return AwaitingUse(config, role)
         options.refuse_plain_mode_only(config)
@@ -489,7 +487,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
         cls._set_basetemp(config, role.torchrun)
         if config.option.basetemp != basetemp:
             _renew_tmp_path_factory(config)
-        plugin = super().create(config, role, options.resolved(config))
+        plugin = super().create(config, role, options.session_values(config))
         config.pluginmanager.register(plugin, plugin.NAME)  # its pytest_configure runs now
         plugin.registered()
         plugin.pytest_sessionstart(session)

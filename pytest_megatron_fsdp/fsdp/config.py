@@ -13,12 +13,12 @@ import functools
 import inspect
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import versions
-from .presets import ModelPreset, TrainingRecipe, get_preset
+from .presets import DEFAULT_PRESET, ModelPreset, TrainingRecipe, get_preset
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 CKPT_FORMATS = ("fsdp_dtensor", "torch_dist", "torch", "zarr")
@@ -1238,15 +1238,50 @@ def disable_megatron_fsdp(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def use_megatron_ddp(cfg: RunConfig, *, distributed_optimizer: bool) -> RunConfig:
+    """``cfg`` switched to Megatron's DDP wrapper. Without the distributed optimizer (Megatron DDP's
+    fails a torch.cuda type check on CPU ranks) parameter gathering cannot overlap either
+    (Megatron-LM's rule, which validate() enforces)."""
+    disable_megatron_fsdp(cfg)
+    if not distributed_optimizer:
+        cfg.ddp.use_distributed_optimizer = False
+        cfg.ddp.overlap_param_gather = False
+    return cfg
+
+
+def starting_config(
+    platform: str,
+    *,
+    preset: str | None = None,
+    use_megatron_fsdp: bool = True,
+    assignments: Iterable[str] = (),
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+) -> RunConfig:
+    """The config a test's ``run_config`` starts from on ``platform`` ("cpu" or "cuda"), the one
+    builder of it: Megatron-Bridge's Megatron-FSDP override, the model ``preset`` (None: the
+    platform's default), the model-parallel sizes, Megatron DDP instead where ``use_megatron_fsdp``
+    is off (``--mfsdp-use-megatron-fsdp=false``; without the distributed optimizer on CPU ranks),
+    then the ``section.field=value`` ``assignments`` in order (``--mfsdp-set``; a bad one raises
+    ConfigError). Not validated: the rules that need a rank run when the run is built."""
+    cfg = enable_megatron_fsdp(RunConfig())
+    cfg.model.preset = preset or DEFAULT_PRESET[platform]
+    cfg.model.tensor_model_parallel_size = tp
+    cfg.model.pipeline_model_parallel_size = pp
+    cfg.model.context_parallel_size = cp
+    if not use_megatron_fsdp:
+        use_megatron_ddp(cfg, distributed_optimizer=platform != "cpu")
+    for assignment in assignments:
+        cfg.assign(assignment)
+    return cfg
+
+
 def ddp_baseline(cfg: RunConfig) -> RunConfig:
     """A copy of ``cfg`` that trains with Megatron's DDP instead of Megatron-FSDP: the baseline the
-    parity tests compare with (same seed, same data). Megatron DDP's distributed optimizer fails a
-    torch.cuda type check on CPU ranks, so it is off, and without it parameter gathering cannot
-    overlap (Megatron-LM's rule, which validate() enforces)."""
-    base = disable_megatron_fsdp(cfg.copy())
-    base.ddp.use_distributed_optimizer = False
-    base.ddp.overlap_param_gather = False
-    return base
+    parity tests compare with (same seed, same data), without the distributed optimizer on every
+    platform (see :func:`use_megatron_ddp`)."""
+    return use_megatron_ddp(cfg.copy(), distributed_optimizer=False)
 
 
 def fix_checkpoint_format(cfg: RunConfig) -> str | None:

@@ -14,7 +14,9 @@ options, ini keys and markers; none of their internals) and the controller appli
 * pytest-randomly (``--randomly-seed``): the seed every rank uses;
 * pytest-cov (``pytest --cov``): its running measurement reaches the launched ranks.
 
-Plain pytest and the standard library only: nothing here imports the plugins themselves.
+The places their timeout and rerun settings take in this plugin's precedence chains are the
+:class:`ForeignLevel` constants here (``PYTEST_TIMEOUT_MARKER`` ...), which ``options.OPTIONS`` puts
+in its chains. Plain pytest and the standard library only: nothing here imports the plugins themselves.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import copy
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +41,41 @@ RANDOMLY_PLUGIN = "randomly"
 PYTEST_COV_PLUGIN = "_cov"
 
 
-#: the level a foreign setting comes from: a per-test marker, a session option (flag, env, ini), or
-#: pytest-rerunfailures' --force-reruns (which overrides every marker)
+#: where in its own precedence another plugin's setting comes from: a per-test marker, a session
+#: option (flag, env, ini), or pytest-rerunfailures' --force-reruns (which overrides every marker)
 FORCED, MARKER, OPTION = "forced", "marker", "option"
+
+
+@dataclass(frozen=True)
+class ForeignSetting:
+    """A setting another plugin gives a test, read by that plugin's own rules."""
+
+    #: the value, parsed; None where the plugin says "none" (pytest-timeout's 0): it then imposes none
+    value: Any
+    #: FORCED, MARKER or OPTION: which level of its own precedence gave it
+    level: str
+    #: where it came from, one of its :class:`ForeignLevel`'s labels (e.g. "pytest-timeout --timeout")
+    source: str
+
+
+@dataclass(frozen=True)
+class ForeignLevel:
+    """One place in an option's precedence chain (``options.OPTIONS``) for another plugin's setting:
+    the plugin's reading of the test, where it comes from ``level`` of the plugin's own precedence.
+    The plugin's rules pick one reading (pytest-timeout's marker before its options); the chain
+    says where that reading sits among this plugin's own sources."""
+
+    level: str
+    #: the sources this place covers, highest first, as a setting from it is labelled
+    labels: tuple[str, ...]
+    read: Callable[[pytest.Item], ForeignSetting | None]
+
+    def setting(self, item: pytest.Item) -> ForeignSetting | None:
+        """The plugin's setting for ``item`` where it comes from this level and imposes a value."""
+        found = self.read(item)
+        if found is None or found.level != self.level or found.value is None:
+            return None
+        return found
 
 
 def _active(config: pytest.Config, name: str) -> bool:
@@ -50,7 +85,7 @@ def _active(config: pytest.Config, name: str) -> bool:
 # -- pytest-timeout -------------------------------------------------------------------------------
 
 
-def _seconds(raw: Any, source: str) -> float | None:
+def _seconds(raw: Any, where: str) -> float | None:
     """pytest-timeout's value as seconds; None where it means "no timeout" (absent, 0 or less)."""
     if raw is None or raw == "":
         return None
@@ -58,65 +93,52 @@ def _seconds(raw: Any, source: str) -> float | None:
         value = float(raw)
     except (TypeError, ValueError):
         raise pytest.UsageError(
-            f"{source}: invalid timeout {raw!r}: must be a number of seconds (pytest-timeout's setting)"
+            f"{where}: invalid timeout {raw!r}: must be a number of seconds (pytest-timeout's setting)"
         ) from None
     return value if value > 0 else None
 
 
-@dataclass(frozen=True)
-class ForeignTimeout:
-    """pytest-timeout's timeout for a test: its marker's or its session setting's."""
-
-    #: seconds; None where pytest-timeout says "no timeout" (0): it then imposes none
-    seconds: float | None
-    #: MARKER (``@pytest.mark.timeout``) or OPTION (``--timeout`` > ``PYTEST_TIMEOUT`` > ini ``timeout``)
-    level: str
-    source: str
-
-
-def pytest_timeout_setting(item: pytest.Item) -> ForeignTimeout | None:
-    """pytest-timeout's timeout for ``item`` by its own precedence (its marker, then ``--timeout``,
-    ``PYTEST_TIMEOUT``, ini ``timeout``); None where it gives none or is not active (its marker then
-    means nothing)."""
+def pytest_timeout_setting(item: pytest.Item) -> ForeignSetting | None:
+    """pytest-timeout's timeout for ``item`` in seconds, by its own precedence (its marker, then
+    ``--timeout``, ``PYTEST_TIMEOUT``, ini ``timeout``); None where it gives none or is not active
+    (its marker then means nothing)."""
     config = item.config
     if not _active(config, TIMEOUT_PLUGIN):
         return None
     marker = item.get_closest_marker("timeout")
     if marker is not None:
         raw = marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
-        source = f"{item.nodeid}: @pytest.mark.timeout"
-        return ForeignTimeout(_seconds(raw, source), MARKER, "@pytest.mark.timeout")
-    for source, raw in (
-        ("--timeout", config.getoption("timeout", None)),
-        ("environment variable PYTEST_TIMEOUT", os.environ.get("PYTEST_TIMEOUT") or None),
-        ("ini option timeout", config.getini("timeout") or None),
+        where = f"{item.nodeid}: @pytest.mark.timeout"
+        return ForeignSetting(_seconds(raw, where), MARKER, PYTEST_TIMEOUT_MARKER.labels[0])
+    flag, env, ini = PYTEST_TIMEOUT_OPTIONS.labels
+    for label, where, raw in (
+        (flag, "--timeout", config.getoption("timeout", None)),
+        (env, "environment variable PYTEST_TIMEOUT", os.environ.get("PYTEST_TIMEOUT") or None),
+        (ini, "ini option timeout", config.getini("timeout") or None),
     ):
         if raw is not None:
-            return ForeignTimeout(_seconds(raw, source), OPTION, source)
+            return ForeignSetting(_seconds(raw, where), OPTION, label)
     return None
+
+
+#: pytest-timeout's places in the timeout's chain: its marker among the per-test markers, its
+#: session options below this plugin's
+PYTEST_TIMEOUT_MARKER = ForeignLevel(MARKER, ("@pytest.mark.timeout",), pytest_timeout_setting)
+PYTEST_TIMEOUT_OPTIONS = ForeignLevel(
+    OPTION,
+    ("pytest-timeout --timeout", "pytest-timeout PYTEST_TIMEOUT", "pytest-timeout ini timeout"),
+    pytest_timeout_setting,
+)
 
 
 # -- pytest-rerunfailures -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ForeignReruns:
-    """A rerun count pytest-rerunfailures gives a test, and at which level it gives it."""
-
-    count: int
-    #: FORCED (``--force-reruns``), MARKER (``@pytest.mark.flaky``) or OPTION (``--reruns``, ini)
-    level: str
-    source: str
-
-
-def _int_option(config: pytest.Config, dest: str, ini: str | None = None) -> int | None:
-    value = config.getoption(dest, None)
-    if value is None and ini is not None:
-        try:
-            value = int(config.getini(ini))
-        except (TypeError, ValueError):
-            value = None
-    return value
+def _ini_int(config: pytest.Config, ini: str) -> int | None:
+    try:
+        return int(config.getini(ini))
+    except (TypeError, ValueError):
+        return None
 
 
 def _excluded(item: pytest.Item) -> bool:
@@ -125,7 +147,7 @@ def _excluded(item: pytest.Item) -> bool:
     return any(item.path.is_relative_to(item.config.rootpath / path) for path in paths)
 
 
-def rerunfailures_count(item: pytest.Item) -> ForeignReruns | None:
+def rerunfailures_count(item: pytest.Item) -> ForeignSetting | None:
     """The reruns pytest-rerunfailures gives ``item`` by its own rules (``--force-reruns`` over
     ``@pytest.mark.flaky(reruns=N)`` over ``--reruns`` over ini ``reruns``; ``--reruns-mode=append``
     adds the global count to the marker's), or None where it gives none."""
@@ -134,17 +156,31 @@ def rerunfailures_count(item: pytest.Item) -> ForeignReruns | None:
         return None
     forced = config.getoption("force_reruns", None)
     if forced is not None:
-        return ForeignReruns(forced, FORCED, f"--force-reruns={forced}")
-    global_count = _int_option(config, "reruns", "reruns")
+        return ForeignSetting(forced, FORCED, RERUNFAILURES_FORCED.labels[0])
+    flag, ini = RERUNFAILURES_OPTIONS.labels
+    global_count, global_source = config.getoption("reruns", None), flag
+    if global_count is None:
+        global_count, global_source = _ini_int(config, "reruns"), ini
     flaky = item.get_closest_marker("flaky")
     if flaky is not None:
         count = flaky.kwargs.get("reruns", flaky.args[0] if flaky.args else 1)
+        source = RERUNFAILURES_MARKER.labels[0]
         if config.getoption("reruns_mode", None) == "append" and global_count is not None:
             count += global_count
-        return ForeignReruns(count, MARKER, "@pytest.mark.flaky")
+            source += f" + {global_source} (--reruns-mode=append)"
+        return ForeignSetting(count, MARKER, source)
     if global_count is not None:
-        return ForeignReruns(global_count, OPTION, f"--reruns={global_count}")
+        return ForeignSetting(global_count, OPTION, global_source)
     return None
+
+
+#: pytest-rerunfailures' places in the reruns' chain: --force-reruns above every marker, its marker
+#: among the per-test markers, its session options below this plugin's
+RERUNFAILURES_FORCED = ForeignLevel(FORCED, ("pytest-rerunfailures --force-reruns",), rerunfailures_count)
+RERUNFAILURES_MARKER = ForeignLevel(MARKER, ("@pytest.mark.flaky",), rerunfailures_count)
+RERUNFAILURES_OPTIONS = ForeignLevel(
+    OPTION, ("pytest-rerunfailures --reruns", "pytest-rerunfailures ini reruns"), rerunfailures_count
+)
 
 
 def refuse_flaky_condition(item: pytest.Item) -> None:

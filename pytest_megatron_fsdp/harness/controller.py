@@ -203,7 +203,7 @@ class Controller:
     def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
         """pytest-timeout: no timer of its own around a distributed test here. The controller owns
         that test's deadline (its timeout, pytest-timeout's settings among the sources: see
-        ``marker.resolve_timeout``); a SIGALRM in its wait would end the session, a timer thread's
+        ``options.value_of``); a SIGALRM in its wait would end the session, a timer thread's
         ``os._exit`` would leave the rank set running."""
         return True if self._runs(item) else None
 
@@ -237,7 +237,10 @@ class Controller:
                 # session as interrupted, writing JUnit XML and the report for every finished test.
                 rank_set.kill()
                 reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + _death(
-                    rank_set.post_mortem(), spec.timeout_s, interrupted=True
+                    rank_set.post_mortem(),
+                    spec.timeout_s,
+                    interrupted=True,
+                    timeout_source=spec.timeout_source,
                 )
                 report = self._failure(item, rank_set, "call", reason, _clock() - started, "interrupted")
                 item.ihook.pytest_runtest_logreport(report=report)
@@ -346,7 +349,8 @@ class Controller:
     def _collect_reports(self, item: pytest.Item, rank_set: RankSet) -> list[pytest.TestReport]:
         """The test's reports as its rank set sends them; a failure of the phase it had reached when
         the rank set went wrong (died, hung, ran or collected something else)."""
-        timeout = spec_of(item).timeout_s
+        spec = spec_of(item)
+        timeout = spec.timeout_s
         startup = STARTUP_ALLOWANCE_S if rank_set.tests_finished == 0 else 0.0
         #: since when the test counts as running (its ranks' start; until then, this wait's)
         since = _clock()
@@ -382,14 +386,16 @@ class Controller:
                     continue  # the last words arrived with the exit
                 post_mortem = rank_set.post_mortem()
                 kind = TIMEOUT if post_mortem.timed_out else RANK_DEATH
-                reason = _death(post_mortem, timeout)
+                reason = _death(post_mortem, timeout, timeout_source=spec.timeout_source)
                 failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), kind)
                 return watch.reports + [failure]
             if _clock() > deadline:
                 rank_set.dump_stacks()
                 _sleep(1.0)
                 rank_set.kill()
-                reason = _death(rank_set.post_mortem(), timeout, killed_after=timeout)
+                reason = _death(
+                    rank_set.post_mortem(), timeout, killed_after=timeout, timeout_source=spec.timeout_source
+                )
                 failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), TIMEOUT)
                 return watch.reports + [failure]
             _sleep(0.05)
@@ -523,14 +529,18 @@ def _declines_rerun(
 
 
 def _death(
-    post_mortem: PostMortem, timeout: float, killed_after: float | None = None, interrupted: bool = False
+    post_mortem: PostMortem,
+    timeout: float,
+    killed_after: float | None = None,
+    interrupted: bool = False,
+    timeout_source: str | None = None,
 ) -> str:
     """:func:`describe_death`, with who is stuck where from the ranks' flight-recorder dumps
     (written as they timed out) when the test timed out."""
     collectives = None
     if post_mortem.timed_out or killed_after is not None:
         collectives = flight_recorder.section(post_mortem.log_dir, post_mortem.world_size, time.time_ns())
-    return describe_death(post_mortem, timeout, killed_after, interrupted, collectives)
+    return describe_death(post_mortem, timeout, killed_after, interrupted, collectives, timeout_source)
 
 
 def describe_death(
@@ -539,11 +549,14 @@ def describe_death(
     killed_after: float | None = None,
     interrupted: bool = False,
     collectives: list[str] | None = None,
+    timeout_source: str | None = None,
 ) -> str:
     """Why the rank set ended before the test did, with each rank's stacks or log tail.
 
     ``killed_after``: the parent killed it after the test's timeout; ``interrupted``: the session
-    was interrupted; ``collectives``: the flight-recorder section of a timeout.
+    was interrupted; ``collectives``: the flight-recorder section of a timeout; ``timeout_source``:
+    where the timeout came from (a source label of ``--mfsdp-timeout``'s chain), said under the
+    headline of a timeout.
     """
     pm = post_mortem
     lines: list[str] = []
@@ -552,6 +565,8 @@ def describe_death(
             f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
             "and the rank set was killed"
         )
+        if timeout_source is not None:
+            lines.append(f"timeout {timeout:g} s (from {timeout_source})")
         lines += collectives or []
     died = pm.died()
     if died and not pm.timed_out:

@@ -245,7 +245,7 @@ class RankPlugin:
         session). Its SIGALRM would fail the test on this rank alone, mid-collective, and its timer
         thread would end this rank alone, each at a time of its own (an ini ``timeout`` reaches every
         rank a parent launches); the watchdog ends every rank at the test's one timeout, in which
-        pytest-timeout's settings are a source (``marker.resolve_timeout``)."""
+        pytest-timeout's settings are a source (``options.value_of``)."""
         return True if self.config.stash.get(RANK_SESSION, None) is not None else None
 
     @pytest.hookimpl(optionalhook=True)

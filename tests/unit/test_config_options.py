@@ -8,10 +8,10 @@ from pytest_megatron_fsdp.fsdp import versions
 
 SHOW = (
     "import pytest\n"
-    "from pytest_megatron_fsdp.options import resolve\n"
+    "from pytest_megatron_fsdp.options import value_of\n"
     "def pytest_configure(config):\n"
-    "    print('SET', list(resolve(config, 'set')))\n"
-    "    print('USE', resolve(config, 'use-megatron-fsdp'))\n"
+    "    print('SET', list(value_of(config, 'set').value))\n"
+    "    print('USE', value_of(config, 'use-megatron-fsdp').value)\n"
 )
 
 
@@ -87,13 +87,15 @@ def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
 def test_marker_wins_over_the_command_line(pytester):
     pytester.makepyfile(
         "import pytest\n"
-        "from pytest_megatron_fsdp.options import resolve\n"
+        "from pytest_megatron_fsdp.options import Setting, value_of\n"
         "@pytest.mark.mfsdp_config(use_megatron_fsdp=True, set=['train.seed=4'])\n"
         "def test_x(request):\n"
-        "    kwargs = request.node.get_closest_marker('mfsdp_config').kwargs\n"
-        "    assert resolve(request.config, 'set', kwargs['set']) == ('train.seed=4',)\n"
-        "    assert resolve(request.config, 'use-megatron-fsdp', kwargs['use_megatron_fsdp']) is True\n"
-        "    assert resolve(request.config, 'set') == ('train.seed=3',)\n"
+        "    config, item = request.config, request.node\n"
+        "    marker = '@pytest.mark.mfsdp_config'\n"
+        "    assert value_of(config, 'set', item) == Setting(('train.seed=4',), marker + '(set=...)')\n"
+        "    use = value_of(config, 'use-megatron-fsdp', item)\n"
+        "    assert use == Setting(True, marker + '(use_megatron_fsdp=...)')\n"
+        "    assert value_of(config, 'set') == Setting(('train.seed=3',), '--mfsdp-set')  # the session's\n"
     )
     result = pytester.runpytest_inprocess("--mfsdp-set=train.seed=3", "--mfsdp-use-megatron-fsdp=false")
     result.assert_outcomes(passed=1)

@@ -153,6 +153,36 @@ def test_every_documented_option_exists() -> None:
     assert not stale, f"options the docs name but the registry does not have: {stale}"
 
 
+def _precedence_rows() -> dict[str, str]:
+    """docs/options.md's precedence table: first cell -> the chain it states (header and rule left out)."""
+    page = (DOCS / "options.md").read_text(encoding="utf-8")
+    start = page.index("## Precedence\n")
+    section = page[start : page.index("\n## ", start)]
+    rows = re.findall(r"^\| (.+?) \| (.+?) \|$", section, re.MULTILINE)
+    return {first: chain for first, chain in rows if first != "option" and set(first) != {"-"}}
+
+
+def _stated(labels: list[str]) -> str:
+    return " > ".join(f"`{label}`" for label in labels)
+
+
+def test_the_precedence_table_states_each_options_chain() -> None:
+    """The table is the one place the chains are stated in prose: each option whose chain is not the
+    session default has its row, the same sources in the same order as the data beside the option
+    (options.OPTIONS, which value_of walks), and the row for every other option states that default."""
+    from pytest_megatron_fsdp.options import OPTIONS, SESSION_CHAIN, Option
+
+    rows = _precedence_rows()
+    assert rows.pop("every other option") == _stated(Option("<name>", "", str).chain_labels())
+    expected = {
+        f"`{option.flag}`": _stated(option.chain_labels())
+        for option in OPTIONS.values()
+        if option.chain != SESSION_CHAIN
+    }
+    assert expected, "no option has a chain of its own: the table would state nothing"
+    assert rows == expected
+
+
 def _is_fixture(value: object) -> bool:
     fixture_type = getattr(importlib.import_module("_pytest.fixtures"), "FixtureFunctionDefinition", None)
     if fixture_type is not None:

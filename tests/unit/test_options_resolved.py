@@ -1,4 +1,4 @@
-"""The session's resolved options: a typed, frozen object with one attribute per option.
+"""The session's option values: a typed, frozen object with one attribute per option, and sources.
 
 In-process: the registry and the object, then one configured session (pytester, no test run).
 """
@@ -10,36 +10,36 @@ import dataclasses
 import pytest
 
 from pytest_megatron_fsdp import options
-from pytest_megatron_fsdp.options import OPTIONS, ResolvedOptions
+from pytest_megatron_fsdp.options import OPTIONS, SessionValues, Setting
 
 
 def _defaults() -> dict:
-    return {name: option.default for name, option in OPTIONS.items()}
+    return {name: Setting(option.default, "default") for name, option in OPTIONS.items()}
 
 
 def test_one_attribute_per_option():
     """An option added to OPTIONS needs its attribute here (and the other way round)."""
-    fields = {f.name for f in dataclasses.fields(ResolvedOptions)}
+    fields = {f.name for f in dataclasses.fields(SessionValues)} - {"sources"}
     assert fields == {name.replace("-", "_") for name in OPTIONS}
 
 
-def test_resolved_options_are_frozen():
-    values = ResolvedOptions.from_values(_defaults())
+def test_session_values_are_frozen():
+    values = SessionValues.from_settings(_defaults())
     with pytest.raises(dataclasses.FrozenInstanceError):
         values.timeout = 1.0  # type: ignore[misc]
     assert (values.platform, values.timeout, values.golden_mode) == ("auto", 300.0, "compare")
 
 
-def test_every_option_must_be_resolved_and_nothing_else():
+def test_every_option_must_have_a_value_and_nothing_else():
     missing = _defaults()
     del missing["plot"]
     with pytest.raises(TypeError, match="plot"):
-        ResolvedOptions.from_values(missing)
+        SessionValues.from_settings(missing)
     with pytest.raises(TypeError, match="no_such"):
-        ResolvedOptions.from_values({**_defaults(), "no-such": 1})
+        SessionValues.from_settings({**_defaults(), "no-such": Setting(1, "default")})
 
 
-def test_a_configured_session_stashes_its_resolved_options(pytester, monkeypatch):
+def test_a_configured_session_stashes_its_values_and_their_sources(pytester, monkeypatch):
     monkeypatch.setenv("MFSDP_PG_TIMEOUT", "7")
     (pytester.path / "golden").mkdir()
     config = pytester.parseconfigure(
@@ -48,11 +48,18 @@ def test_a_configured_session_stashes_its_resolved_options(pytester, monkeypatch
         "--mfsdp-set=train.train_iters=3",
         "--mfsdp-use-megatron-fsdp=false",
     )
-    values = options.resolved(config)
-    assert isinstance(values, ResolvedOptions)
+    values = options.session_values(config)
+    assert isinstance(values, SessionValues)
     assert values.timeout == 12.5
     assert values.pg_timeout == 7.0  # the environment, below the command line
     assert values.golden == str(pytester.path / "golden")  # made absolute
     assert values.set == ("train.train_iters=3",)
     assert values.use_megatron_fsdp is False
     assert values.reruns == 0  # the default
+    sources = {name: values.source_of(name) for name in ("timeout", "pg-timeout", "golden", "reruns")}
+    assert sources == {
+        "timeout": "--mfsdp-timeout",
+        "pg-timeout": "MFSDP_PG_TIMEOUT",
+        "golden": "--mfsdp-golden",
+        "reruns": "default",
+    }

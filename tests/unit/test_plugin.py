@@ -59,9 +59,9 @@ def test_option_typo_is_rejected(pytester):
 def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
     pytester.makeini("[pytest]\nmfsdp_pg_timeout = 11\n")
     pytester.makeconftest(
-        "from pytest_megatron_fsdp.options import resolve\n"
+        "from pytest_megatron_fsdp.options import value_of\n"
         "def pytest_configure(config):\n"
-        "    print('PG_TIMEOUT', resolve(config, 'pg-timeout'))\n"
+        "    print('PG_TIMEOUT', value_of(config, 'pg-timeout').value)\n"
     )
     pytester.makepyfile("def test_x(): pass")
     assert "PG_TIMEOUT 11.0" in str(pytester.runpytest_inprocess("-s").stdout)
