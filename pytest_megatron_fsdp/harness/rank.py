@@ -396,6 +396,14 @@ class RankPlugin:
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
             # exits): torch's record of this rank's collectives, beside its log, for the parent to align.
             flight_recorder.dump(flight_recorder.dump_path(self.log_path.parent, self.rank))
+            # This process ends here, without teardown or unconfigure, and may be killed any time
+            # once a peer has seen its marker below (torchrun stops the others as soon as one
+            # rank exits): its temp trees go now, before it tells the peers it is done.
+            rank_session = self.config.stash.get(RANK_SESSION, None)
+            if rank_session is not None and self.rank == 0:
+                shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
+            if self._private_temp is not None:
+                shutil.rmtree(self._private_temp, ignore_errors=True)
             if not self.launched:
                 # torchrun mode: the terminal is the only place the user sees (a launched rank
                 # set's parent reports from the logs, and its torchrun output is only a tail)
@@ -416,12 +424,6 @@ class RankPlugin:
             self._await_peer_dumps(nodeid)
             if not self.launched:
                 self._align_collectives(nodeid)
-            rank_session = self.config.stash.get(RANK_SESSION, None)
-            if rank_session is not None and self.rank == 0:
-                # nothing else will remove it: this process ends here, without teardown
-                shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
-            if self._private_temp is not None:
-                shutil.rmtree(self._private_temp, ignore_errors=True)  # no unconfigure either
             save_coverage()  # os._exit skips the atexit handler that would write it
             os._exit(TIMEOUT_EXIT_CODE)
 
