@@ -325,7 +325,7 @@ def report_lines(path: Path, plot: bool = True) -> list[str]:
         f"written {document.get('generated_at', '?')}"
     ]
     if not records:
-        return lines + ["no training runs recorded"]
+        return [*lines, "no training runs recorded"]
     lines += report_module.table_lines(records, details=True)
     if plot:
         for record in records:

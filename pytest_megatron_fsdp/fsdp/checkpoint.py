@@ -520,9 +520,12 @@ def load_checkpoint(
     except _FAILURES as exc:
         found, problem = None, f"checking {root} failed: {_describe(exc)}"
     _raise_if_any(gather_problems(problem), f"cannot load a checkpoint from {root}")
-    assert found is not None and found.iter_dir is not None and found.metadata is not None
+    assert found is not None
+    assert found.iter_dir is not None
+    assert found.metadata is not None
     iter_dir, metadata, train_state = found.iter_dir, found.metadata, found.train_state
-    assert train_state is not None and found.iteration is not None
+    assert train_state is not None
+    assert found.iteration is not None
 
     # 2. What this run loads into, built without changing it (collectives: Megatron-LM's
     #    handlers and the uneven-DTensor metadata); its keys and shapes against the checkpoint's,

@@ -52,13 +52,13 @@ import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "enable",
-    "disable",
-    "is_enabled",
-    "emulated",
-    "PATCHED_CUDA_ATTRIBUTES",
-    "CUDA_TYPE_CHECKERS",
     "CUDA_DEVICE_CHECKERS",
+    "CUDA_TYPE_CHECKERS",
+    "PATCHED_CUDA_ATTRIBUTES",
+    "disable",
+    "emulated",
+    "enable",
+    "is_enabled",
 ]
 
 

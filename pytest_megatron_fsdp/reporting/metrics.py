@@ -213,7 +213,7 @@ def _item_of(target: Any) -> pytest.Item:
 
 def record_checkpoint(
     target: Any,
-    bytes: int | None = None,  # noqa: A002 (the figure's name in the report)
+    bytes: int | None = None,  # the figure's name in the report
     save_s: float | None = None,
     load_s: float | None = None,
 ) -> None:
