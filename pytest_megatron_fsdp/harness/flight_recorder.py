@@ -83,7 +83,8 @@ def dump(path: Path) -> bool:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        raw = c10d._dump_fr_trace(True, False, False)
+        # private, absent from torch's hints and from some builds: the except below covers that
+        raw = c10d._dump_fr_trace(True, False, False)  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
         return False
     # a record of another shape: written as torch made it
@@ -133,7 +134,8 @@ def complete_pg_config(trace: dict[str, Any], groups: Mapping[str, Mapping[str, 
 
 def load(path: Path) -> dict[str, Any] | None:
     try:
-        return pickle.loads(path.read_bytes())  # written by this session's own ranks
+        trace: dict[str, Any] = pickle.loads(path.read_bytes())  # written by this session's own ranks
+        return trace
     except (OSError, pickle.UnpicklingError, EOFError):
         return None
 
