@@ -261,7 +261,7 @@ def test_bad_checkpoint_is_refused_on_every_rank(
         target = run  # a refused load must leave even the run it was refused for unchanged
     before_disk, before_state = _tree(checkpoint_dir), state_snapshot(target)
     reads = []
-    monkeypatch.setattr(ckpt.dcp, "load", lambda *args, **kwargs: reads.append(args))
+    monkeypatch.setattr(ckpt.state_dict_loader, "load", lambda *args, **kwargs: reads.append(args))
 
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=expected) as refused:
