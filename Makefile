@@ -137,6 +137,7 @@ reproductions: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf .venv-newest .venv-floor .pytest_cache *.egg-info

@@ -242,8 +242,13 @@ def main() -> None:
         out = Path(tmp) / "out.json"
         events_path = Path(tmp) / "timeline.jsonl"
         runs = {
-            "bare": [*torchrun, str(Path(__file__).resolve()), "--bare", f"--platform={args.platform}"]
-            + [f"--out={out}"],
+            "bare": [
+                *torchrun,
+                str(Path(__file__).resolve()),
+                "--bare",
+                f"--platform={args.platform}",
+                f"--out={out}",
+            ],
             "plugin-torchrun": [*torchrun, "-m", "pytest", *pytest_args, f"--mfsdp-report-json={out}", TEST],
             "plugin-plain": [py, "-m", "pytest", *pytest_args, f"--mfsdp-report-json={out}", TEST],
         }

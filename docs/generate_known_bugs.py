@@ -35,7 +35,7 @@ pass. A version difference lives only in `pytest_megatron_fsdp/fsdp/versions.py`
 _CITATION = re.compile(r"(?:Megatron-(?:LM|Bridge) )?(?:PR|issue) #\d+")
 
 
-def _affected(bug) -> str:  # noqa: ANN001 (a versions.KnownBug)
+def _affected(bug) -> str:  # bug: a versions.KnownBug
     low = "" if bug.first == "0" else f">= {bug.first}"
     high = f"< {bug.fixed_in}" if bug.fixed_in else ""
     span = ", ".join(part for part in (low, high) if part) or "(all releases so far)"

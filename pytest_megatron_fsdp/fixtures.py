@@ -7,7 +7,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import pytest
 
@@ -177,7 +177,13 @@ def fully_shard_run(
     torch.manual_seed(RunConfig().train.seed)
 
     def build(
-        observer: RunObserver, module, optimizer, batches, loss_fn, **fully_shard_kwargs
+        observer: RunObserver,
+        /,
+        module: Any,
+        optimizer: Any,
+        batches: Any,
+        loss_fn: Any,
+        **fully_shard_kwargs: Any,
     ) -> FullyShardRun:
         return FullyShardRun(
             module, optimizer, batches, loss_fn, dist_env, observer=observer, **fully_shard_kwargs

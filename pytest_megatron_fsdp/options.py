@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import pytest
 
@@ -78,7 +78,8 @@ def _assignment(text: str) -> str:
 
 def _boolean(text: str) -> bool:
     try:
-        return parse_value(text, (bool,))
+        # parse_value returns one of the types it is given: here a bool
+        return cast(bool, parse_value(text, (bool,)))
     except ValueError:
         raise ValueError("choose true or false") from None
 
@@ -390,7 +391,8 @@ OPTIONS: dict[str, Option] = {
 }
 
 
-class OptionError(pytest.UsageError):
+# pytest marks UsageError @final in its hints, yet a subclass is what keeps pytest's usage-error exit
+class OptionError(pytest.UsageError):  # type: ignore[misc]
     pass
 
 
@@ -508,11 +510,8 @@ def add_options(parser: pytest.Parser) -> None:
             help=option.help,
             action="append" if option.multiple else "store",
         )
-        parser.addini(
-            option.ini,
-            f"default for {option.flag} (env {option.env} wins over it)",
-            type="linelist" if option.multiple else None,
-        )
+        ini_type: Literal["linelist"] | None = "linelist" if option.multiple else None
+        parser.addini(option.ini, f"default for {option.flag} (env {option.env} wins over it)", type=ini_type)
     # Internal: how a rank set launched by the plugin (plain-pytest mode) talks to its parent.
     add_internal_options(group)
 

@@ -309,9 +309,9 @@ def text_plot(values: Sequence[float], width: int = PLOT_WIDTH, height: int = PL
     labels = [report_module.fmt_number(high, ".4f"), report_module.fmt_number(low, ".4f")]
     pad = max(len(label) for label in labels)
     lines = []
-    for i, row in enumerate(grid):
+    for i, cells in enumerate(grid):
         label = labels[0] if i == 0 else labels[1] if i == height - 1 else ""
-        lines.append(f"{label.rjust(pad)} |{''.join(row)}".rstrip())
+        lines.append(f"{label.rjust(pad)} |{''.join(cells)}".rstrip())
     axis = f"{' ' * pad} +{'-' * columns}"
     last = str(len(values))
     lines += [axis, f"{' ' * pad}  1{last.rjust(columns - 1)}  (iteration)"]
@@ -325,7 +325,7 @@ def report_lines(path: Path, plot: bool = True) -> list[str]:
         f"written {document.get('generated_at', '?')}"
     ]
     if not records:
-        return lines + ["no training runs recorded"]
+        return [*lines, "no training runs recorded"]
     lines += report_module.table_lines(records, details=True)
     if plot:
         for record in records:

@@ -80,7 +80,7 @@ def site_root() -> Path:
     spec = importlib.util.find_spec("megatron.core")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("mutants: megatron-core is not installed in this Python")
-    return Path(list(spec.submodule_search_locations)[0]).parents[1]
+    return Path(next(iter(spec.submodule_search_locations))).parents[1]
 
 
 def hash_installed(root: Path) -> dict[str, str]:

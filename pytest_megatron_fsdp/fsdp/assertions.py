@@ -8,6 +8,7 @@ rank 0 could fail would leave rank 1 passing the same test.)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -92,7 +93,7 @@ def sharded_fraction(model: Any) -> tuple[Fraction, int]:
         if isinstance(value, DTensor):
             total += value.numel()
             mesh = value.device_mesh
-            coordinate = mesh.get_coordinate() or []
+            coordinate: Sequence[int] = mesh.get_coordinate() or []
             if all(coordinate[i] == 0 for i, p in enumerate(value.placements) if isinstance(p, Replicate)):
                 local += Fraction(value.to_local().numel() * mesh.size(), world)
     return local, total

@@ -43,17 +43,18 @@ import signal
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .collectives import gather_objects, gather_problems
@@ -147,7 +148,7 @@ def flatten_state(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str
 # files
 
 
-def _write_atomically(path: Path, write) -> None:
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
@@ -186,7 +187,7 @@ def _seal(tmp_dir: Path, train_state: dict[str, Any], written: dict[str, FileDig
     ``written``: what the ranks hashed while writing (None: written out of order, hashed here).
     """
     _write_atomically(tmp_dir / TRAIN_STATE_FILE, lambda f: torch.save(train_state, f))
-    metadata = dcp.FileSystemReader(tmp_dir).read_metadata()
+    metadata = FileSystemReader(tmp_dir).read_metadata()
     files: dict[str, FileDigest] = {}
     for path in sorted(tmp_dir.iterdir()):
         if path.is_file() and path.name != DIGESTS_FILE:
@@ -227,7 +228,7 @@ def _kill_during_save(rank: int, iteration: int) -> bool:
     return os.environ.get(KILL_DURING_SAVE_ENV, "") == f"{rank}@{iteration}"
 
 
-class _DigestingWriter(dcp.FileSystemWriter):
+class _DigestingWriter(FileSystemWriter):
     """DCP's FileSystemWriter, hashing every file as it writes it (no read-back at save)."""
 
     def __init__(self, path: Path, *, die_while_writing: bool = False) -> None:
@@ -243,11 +244,12 @@ class _DigestingWriter(dcp.FileSystemWriter):
                     yield stream
                 return
             with create_stream(path, mode) as stream:
-                hashing = HashingStream(stream)
+                hashing = HashingStream(cast("IO[bytes]", stream))  # opened for writing: a binary file
                 yield _DyingStream(hashing) if die_while_writing else hashing
             self.digests[Path(path).name] = hashing.result()
 
-        self.fs.create_stream = hashing_stream
+        # this writer's own file system object: its method wrapped on the instance, on purpose
+        self.fs.create_stream = hashing_stream  # type: ignore[method-assign]
 
 
 class _DyingStream:
@@ -310,7 +312,7 @@ def save_checkpoint(run: Run, save_dir: str | os.PathLike[str] | None = None) ->
         try:
             state_dict = layout.save_state_dict(run, local)
             writer = _DigestingWriter(tmp_dir, die_while_writing=_kill_during_save(run.env.rank, iteration))
-            dcp.save(state_dict, storage_writer=writer)
+            state_dict_saver.save(state_dict, storage_writer=writer)
             written = writer.digests
         except CheckpointException as exc:  # DCP's: it gathered every rank's, all raise it
             problem = f"rank {run.env.rank}: writing the shards failed: {_describe(exc)}"
@@ -384,8 +386,8 @@ def _inspect(root: Path, iteration: int | None, *, verify_all: bool) -> _Inspect
             iteration = read_tracker(root)
         except CheckpointError as exc:
             return _Inspection(None, [str(exc)])
-    found = _Inspection(iteration, iter_dir=root / iteration_dir_name(iteration))
-    iter_dir = found.iter_dir
+    iter_dir = root / iteration_dir_name(iteration)
+    found = _Inspection(iteration, iter_dir=iter_dir)
     if not iter_dir.is_dir():
         found.problems.append(
             f"{root / TRACKER_FILE} names iteration {iteration} but {iter_dir} does not exist"
@@ -406,7 +408,7 @@ def _inspect(root: Path, iteration: int | None, *, verify_all: bool) -> _Inspect
         if found.problems:
             return found
     try:
-        found.metadata = dcp.FileSystemReader(iter_dir).read_metadata()
+        found.metadata = FileSystemReader(iter_dir).read_metadata()
     except _FAILURES as exc:
         found.problems.append(f"{metadata_path} cannot be read ({_describe(exc)})")
         return found
@@ -520,9 +522,12 @@ def load_checkpoint(
     except _FAILURES as exc:
         found, problem = None, f"checking {root} failed: {_describe(exc)}"
     _raise_if_any(gather_problems(problem), f"cannot load a checkpoint from {root}")
-    assert found is not None and found.iter_dir is not None and found.metadata is not None
+    assert found is not None
+    assert found.iter_dir is not None
+    assert found.metadata is not None
     iter_dir, metadata, train_state = found.iter_dir, found.metadata, found.train_state
-    assert train_state is not None and found.iteration is not None
+    assert train_state is not None
+    assert found.iteration is not None
 
     # 2. What this run loads into, built without changing it (collectives: Megatron-LM's
     #    handlers and the uneven-DTensor metadata); its keys and shapes against the checkpoint's,
@@ -543,7 +548,7 @@ def load_checkpoint(
     # 3. The collective load, into the dicts just checked.
     problem = None
     try:
-        dcp.load(loaded.state_dict, storage_reader=dcp.FileSystemReader(iter_dir))
+        state_dict_loader.load(loaded.state_dict, storage_reader=FileSystemReader(iter_dir))
         layout.apply_loaded(run, loaded, metadata, train_state)
     except _FAILURES as exc:
         problem = f"rank {run.env.rank}: {_describe(exc)}"

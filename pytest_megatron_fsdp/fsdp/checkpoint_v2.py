@@ -22,10 +22,10 @@ then the compute weights refreshed from the loaded main weights). Imports torch 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -57,7 +57,7 @@ def _below_float16(module: torch.nn.Module) -> torch.nn.Module:
     return module.module if isinstance(module, Float16Module) else module
 
 
-def _model_state(module: torch.nn.Module) -> dict:
+def _model_state(module: torch.nn.Module) -> dict[str, Any]:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor,
     )
@@ -72,7 +72,7 @@ def _model_state(module: torch.nn.Module) -> dict:
 def save_dcp(run: TrainingRun, checkpoint_dir: str | os.PathLike[str]) -> None:
     """Save the run's V2 model weights as a DCP checkpoint (every rank calls it)."""
     module, _ = v2_parts(run)
-    dcp.save({"model": _model_state(module)}, checkpoint_id=checkpoint_dir)
+    state_dict_saver.save({"model": _model_state(module)}, checkpoint_id=checkpoint_dir)
 
 
 def load_dcp(run: TrainingRun, checkpoint_dir: str | os.PathLike[str]) -> None:
@@ -84,7 +84,7 @@ def load_dcp(run: TrainingRun, checkpoint_dir: str | os.PathLike[str]) -> None:
 
     module, _ = v2_parts(run)
     state = _model_state(module)
-    dcp.load({"model": state}, checkpoint_id=checkpoint_dir)
+    state_dict_loader.load({"model": state}, checkpoint_id=checkpoint_dir)
     set_model_state_dict(_below_float16(module), state)
     sync_model_weights_from_main_weights(module.parameters())
 
@@ -111,8 +111,8 @@ def v2_state_snapshot(run: TrainingRun) -> dict[str, torch.Tensor]:
 
     for name, parameter in module.named_parameters():
         snapshot[f"model.{name}"] = local(parameter)
-    for parameter, state in optimizer.state.items():
+    for state_key, state in optimizer.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                snapshot[f"optimizer.{names.get(id(parameter), '?')}.{key}"] = local(value)
+                snapshot[f"optimizer.{names.get(id(state_key), '?')}.{key}"] = local(value)
     return snapshot

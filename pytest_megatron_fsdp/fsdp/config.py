@@ -826,13 +826,15 @@ def _recipe_ranges(v: Validation) -> str | None:
         if problem := _at_least_shown(_shown(v, field_name), getattr(r, field_name), 0):
             return problem
     for field_name in ("start_weight_decay", "end_weight_decay"):
-        if getattr(r, field_name) is not None:
-            if problem := _at_least_shown(_shown(v, field_name), getattr(r, field_name), 0):
-                return problem
+        if getattr(r, field_name) is not None and (
+            problem := _at_least_shown(_shown(v, field_name), getattr(r, field_name), 0)
+        ):
+            return problem
     for field_name in ("lr_decay_iters", "lr_wsd_decay_iters"):
-        if getattr(r, field_name) is not None:
-            if problem := _at_least_shown(_shown(v, field_name), getattr(r, field_name), 1):
-                return problem
+        if getattr(r, field_name) is not None and (
+            problem := _at_least_shown(_shown(v, field_name), getattr(r, field_name), 1)
+        ):
+            return problem
     return None
 
 

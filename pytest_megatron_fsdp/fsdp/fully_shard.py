@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -49,7 +49,7 @@ def _counted_grads(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> It
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            coordinate = grad.device_mesh.get_coordinate() or []
+            coordinate: Sequence[int] = grad.device_mesh.get_coordinate() or []
             replicated = [i for i, p in enumerate(grad.placements) if isinstance(p, Replicate)]
             if any(coordinate[i] != 0 for i in replicated):
                 continue
@@ -141,7 +141,7 @@ class FullyShardRun(RunBase):
             self.model.train()
             self.optimizer.zero_grad()
             loss = self.loss_fn(self.model, self._batch(self.iteration))
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
             # Megatron-FSDP syncs the gradients at the end of backward (sync_model_each_microbatch,
             # the default); the wrapped optimizer's step() finishes anything still pending.
             grad_norm = global_grad_norm(self.model.parameters(), self.env)
@@ -180,7 +180,7 @@ def train_with_torch_ddp(
         start = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_fn(model, batch(iteration))
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         grad_norm = global_grad_norm(model.parameters(), env)
         optimizer.step()
         result.step_times_s.append(time.perf_counter() - start)

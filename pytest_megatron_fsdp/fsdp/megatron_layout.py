@@ -65,7 +65,8 @@ def strip_wrappers(name: str) -> str:
 
 def model_state_dict(run: MegatronCoreRun) -> dict[str, Any]:
     """The wrapped model's DTensor state dict, as Megatron-LM takes it for fsdp_dtensor."""
-    return run.model.state_dict_for_save_checkpoint()
+    state: dict[str, Any] = run.model.state_dict_for_save_checkpoint()
+    return state
 
 
 def optimizer_state_dict(
@@ -162,7 +163,7 @@ def _same(a: Any, b: Any) -> bool:
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
+    return bool(a == b)
 
 
 def gathered_rng_states(state: dict[str, Any]) -> list[dict[str, Any]]:
@@ -202,7 +203,7 @@ def _resolving_model(model: torch.nn.Module) -> Any:
         def __init__(self) -> None:
             self.config = model.config
             self.module = model
-            self._params = {}
+            self._params: dict[str, torch.nn.Parameter] = {}
             for name, param in model.named_parameters():
                 self._params.setdefault(strip_wrappers(name), param)
 

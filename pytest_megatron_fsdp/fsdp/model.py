@@ -133,7 +133,8 @@ def optimizer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> Optim
     )
 
 
-class RunScheduler(OptimizerParamScheduler):
+# megatron-core ships no type hints: its classes are Any to the type checker
+class RunScheduler(OptimizerParamScheduler):  # type: ignore[misc]
     """Megatron's ``OptimizerParamScheduler``; a load replaces the position instead of adding to it.
 
     Megatron's ``load_state_dict`` advances by the checkpoint's ``num_steps`` from wherever the
@@ -144,7 +145,7 @@ class RunScheduler(OptimizerParamScheduler):
     #: the state's entries that count samples (iterations x global batch size)
     SAMPLE_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
-    def load_state_dict(self, state_dict: dict, samples_ratio: float = 1.0) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], samples_ratio: float = 1.0) -> None:
         """``samples_ratio``: this run's global batch size over the saving run's. A checkpoint
         loaded at another data-parallel size has another global batch; its sample counts are
         rescaled so that the schedule stands at the same iteration (as Megatron-LM counts it
@@ -198,18 +199,20 @@ def build_gpt(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> torch.nn.Mod
     if cfg.model.init_model_with_meta_device and (problem := versions.meta_device_init_problem()):
         raise ConfigError(problem)  # before building: the wrapper would fail deep inside, later
     meta = torch.device("meta") if cfg.model.init_model_with_meta_device else contextlib.nullcontext()
+    model: torch.nn.Module
     with meta:
         if preset.hybrid_layer_pattern is None:
             model = _gpt_model(config, preset, env)
         else:
             model = _hybrid_model(config, preset, env)
     if env.platform == "cuda" and not cfg.model.init_model_with_meta_device:
-        model.cuda(env.device)
+        model.cuda(torch.device(env.device))
     if preset.bf16:
         # Megatron training wraps half-precision models before the data-parallel wrapper.
         from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(config, model)
+        wrapped: torch.nn.Module = Float16Module(config, model)  # a torch module (megatron has no hints)
+        return wrapped
     return model
 
 
@@ -287,7 +290,7 @@ def _local_norm_hybrid_stack(norm: Any) -> type:
     from megatron.core.models.hybrid.hybrid_block import HybridStack
     from megatron.core.transformer.spec_utils import build_module
 
-    class LocalNormHybridStack(HybridStack):
+    class LocalNormHybridStack(HybridStack):  # type: ignore[misc]  # megatron's classes are Any (no hints)
         def __init__(
             self, config: TransformerConfig, *args: Any, post_layer_norm: bool = True, **kwargs: Any
         ):
@@ -304,7 +307,7 @@ def _local_norm_hybrid_stack(norm: Any) -> type:
 def _hybrid_model(config: TransformerConfig, preset: ModelPreset, env: DistEnv) -> torch.nn.Module:
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    return HybridModel(
+    model: torch.nn.Module = HybridModel(  # a torch module (megatron has no type hints)
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(preset, env),
         vocab_size=preset.padded_vocab_size,
@@ -314,6 +317,7 @@ def _hybrid_model(config: TransformerConfig, preset: ModelPreset, env: DistEnv) 
         position_embedding_type=preset.position_embedding_type,
         rotary_base=preset.rotary_base,
     )
+    return model
 
 
 def wrapper_device(cfg: RunConfig, env: DistEnv) -> torch.device:
@@ -334,24 +338,29 @@ def wrap_data_parallel(cfg: RunConfig, model: torch.nn.Module, env: DistEnv) -> 
     config = model.config
     ddp_cfg = ddp_config(cfg, env)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    # each wrapper is a torch module (megatron-core has no type hints: Any to the checker)
+    wrapped: torch.nn.Module
     if cfg.uses_megatron_fsdp:
-        return FullyShardedDataParallel(
+        wrapped = FullyShardedDataParallel(
             config=config,
             ddp_config=ddp_cfg,
             module=model,
             device=wrapper_device(cfg, env),
             pg_collection=pg_collection,
         )
+        return wrapped
     if cfg.dist.use_torch_fsdp2:
         from megatron.core.distributed import TorchFullyShardedDataParallel
 
         # Takes process_group, not pg_collection: passing pg_collection is Bridge #2785's TypeError.
-        return TorchFullyShardedDataParallel(
+        wrapped = TorchFullyShardedDataParallel(
             config=config,
             ddp_config=ddp_cfg,
             module=model,
             process_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         )
-    return DistributedDataParallel(
+        return wrapped
+    wrapped = DistributedDataParallel(
         config=config, ddp_config=ddp_cfg, module=model, pg_collection=pg_collection
     )
+    return wrapped

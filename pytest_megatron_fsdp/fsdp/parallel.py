@@ -33,7 +33,7 @@ def initialize_model_parallel(
     ``num_distributed_optimizer_instances``: the outer, inter-instance group).
     """
     layout = (tp, pp, cp, optimizer_instances)
-    if parallel_state.model_parallel_is_initialized() and _LAYOUT == [layout]:
+    if parallel_state.model_parallel_is_initialized() and [layout] == _LAYOUT:
         seed_everything(seed)
         return
     destroy_model_parallel()

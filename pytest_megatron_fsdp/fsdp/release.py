@@ -113,13 +113,13 @@ def pending_all_gathers(*modules: torch.nn.Module | None) -> int:
     return sum(pending for _, pending in _all_gathers_in_flight(modules))
 
 
-def _all_gathers_in_flight(modules: Iterable[torch.nn.Module | None]) -> list[tuple[torch.nn.Module, int]]:
+def _all_gathers_in_flight(modules: Iterable[torch.nn.Module | None]) -> list[tuple[Any, int]]:
     """(wrapper, all-gathers in flight) for every Megatron-FSDP wrapper with some in ``modules``.
 
     The wrapper's all-gather pipeline keeps each async all-gather until a bucket's user waits it
     (``param_gather_event_map``, megatron-core 0.16 to 0.19 and megatron-fsdp 0.6 alike).
     """
-    found = []
+    found: list[tuple[Any, int]] = []  # Any: a Megatron-FSDP wrapper (megatron ships no type hints)
     for module in modules:
         if module is None:
             continue
@@ -188,7 +188,7 @@ class RunWatch:
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self._watched: list[tuple[str, weakref.ref]] = []
+        self._watched: list[tuple[str, weakref.ref[Any]]] = []
         self._cuda_before = _cuda_allocated(device)
 
     def watch(self, label: str, obj: Any) -> None:
@@ -261,7 +261,7 @@ def _filled(cell: types.CellType) -> bool:
     return True
 
 
-def _module_globals_holding(refs: list[weakref.ref], limit: int = 4) -> list[str]:
+def _module_globals_holding(refs: list[weakref.ref[Any]], limit: int = 4) -> list[str]:
     """Module globals that hold a live object, directly or in a list, tuple, set or dict they hold.
 
     The common way a model outlives its test; other holders (a closure, a registry inside a

@@ -7,7 +7,7 @@ The assertions are collective: every rank raises the same message, naming each r
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,8 @@ def _pieces(key: str, value: torch.Tensor) -> list[tuple[Any, ...]]:
         if local.numel() == 0:
             return []
         # After preprocess_uneven, Megatron-FSDP's uneven shards report their true offsets here.
-        offsets = tuple(value.__create_chunk_list__()[0].offsets)
+        # torch leaves DTensor.__create_chunk_list__ unannotated
+        offsets = tuple(value.__create_chunk_list__()[0].offsets)  # type: ignore[no-untyped-call]
         return [(key, tuple(value.shape), value.dtype, offsets, local.clone())]
     full = value.detach().cpu().clone()
     return [(key, tuple(full.shape), full.dtype, (0,) * full.dim(), full)]
@@ -168,7 +169,8 @@ def state_fingerprint(run: TrainingRun) -> dict[str, str]:
     dist.gather_object(pieces, everyone, dst=0)
     result = [_assemble([p for theirs in everyone for p in theirs]) if everyone is not None else None]
     dist.broadcast_object_list(result, src=0)
-    return result[0]
+    # rank 0 assembled the dict; after the broadcast every rank holds it
+    return cast("dict[str, str]", result[0])
 
 
 def fingerprint_differences(expected: dict[str, str], actual: dict[str, str]) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -60,7 +60,8 @@ def mock_gpt_batch(
     seq = preset.seq_length
     rows = []
     for _ in range(micro_batch_size):
-        pieces, have = [], 0
+        pieces: list[torch.Tensor] = []
+        have = 0
         while have < seq + 1:
             length = int(torch.randint(1, MOCK_MAX_DOCUMENT_LENGTH, (1,), generator=generator))
             document = torch.cat(
@@ -142,12 +143,14 @@ class TrainingRun(RunBase):
                 self.preset, self.preset.micro_batch_size, self._generator, self.env.device
             )
 
-    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
+    def _forward_step(
+        self, data_iterator: Iterator[dict[str, torch.Tensor]], model: Any
+    ) -> tuple[Any, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]]:
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         loss_mask = batch["loss_mask"]
 
-        def loss_func(output_tensor: torch.Tensor):
+        def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             loss = (output_tensor.float().view(-1) * loss_mask.view(-1)).sum() / loss_mask.sum()
             # clone: Megatron's schedule divides the returned loss by num_microbatches in place,
             # which would shrink a detached view of it too (the logged loss would read 1/n).

@@ -286,7 +286,9 @@ def megatron_fsdp_wrapper_types(wrapper: Any = None) -> tuple[type, ...]:
     import sys
 
     if wrapper is None:
-        from megatron.core.distributed import FullyShardedDataParallel as wrapper
+        from megatron.core.distributed import FullyShardedDataParallel
+
+        wrapper = FullyShardedDataParallel
     if isinstance(wrapper, type):
         return (wrapper,)
     namespace = vars(sys.modules[wrapper.__module__])

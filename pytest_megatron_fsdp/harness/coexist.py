@@ -255,7 +255,7 @@ class RerunFilters:
 def _listed(value: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
-    if isinstance(value, str) or isinstance(value, type):
+    if isinstance(value, (str, type)):
         return (value,)
     return tuple(value)
 

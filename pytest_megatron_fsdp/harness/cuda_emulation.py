@@ -52,13 +52,13 @@ import torch.distributed.distributed_c10d as _c10d
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
-    "enable",
-    "disable",
-    "is_enabled",
-    "emulated",
-    "PATCHED_CUDA_ATTRIBUTES",
-    "CUDA_TYPE_CHECKERS",
     "CUDA_DEVICE_CHECKERS",
+    "CUDA_TYPE_CHECKERS",
+    "PATCHED_CUDA_ATTRIBUTES",
+    "disable",
+    "emulated",
+    "enable",
+    "is_enabled",
 ]
 
 
@@ -74,10 +74,10 @@ class _NullStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> _NullEvent:
-        event = event or _NullEvent()
-        event.record(self)
-        return event
+    def record_event(self, event: _NullEvent | None = None) -> _NullEvent:
+        recorded = event or _NullEvent()
+        recorded.record(self)
+        return recorded
 
     def synchronize(self) -> None:
         pass
@@ -235,7 +235,8 @@ def _asked_by(checkers: frozenset[tuple[str, str]], depth: int = 2) -> bool:
     )
 
 
-_IS_CUDA_GETTER = torch.Tensor.is_cuda.__get__
+# torch's hints declare is_cuda a bool attribute; on the class it is a getset descriptor
+_IS_CUDA_GETTER = torch.Tensor.is_cuda.__get__  # type: ignore[attr-defined]
 
 
 def cuda_type_name(tensor: torch.Tensor) -> str:
@@ -255,7 +256,13 @@ def _asked_by_a_cuda_type_checker(depth: int = 2) -> bool:
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch call made under it."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
@@ -341,7 +348,7 @@ def _in_order_gloo_class() -> type:
     from torch.distributed import ProcessGroupGloo
     from torch.distributed.constants import default_pg_timeout
 
-    class InOrderProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc, valid-type]
+    class InOrderProcessGroupGloo(ProcessGroupGloo):
         """A gloo process group with one worker thread: its collectives run in issue order.
 
         torch builds gloo groups as ``ProcessGroupGloo(store, rank, size, timeout=..., **flags)``;
@@ -350,10 +357,11 @@ def _in_order_gloo_class() -> type:
         """
 
         def __init__(self, store: Any, rank: int, size: int, *args: Any, **kwargs: Any) -> None:
-            if args and isinstance(args[0], ProcessGroupGloo._Options):
+            # _Options: the private options class torch's own gloo constructor uses; not in its hints
+            if args and isinstance(args[0], ProcessGroupGloo._Options):  # type: ignore[attr-defined]
                 super().__init__(store, rank, size, *args, **kwargs)
                 return
-            options = ProcessGroupGloo._Options()
+            options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._timeout = args[0] if args else kwargs.pop("timeout", default_pg_timeout)
             options._devices = _gloo_devices()
             options._threads = 1
@@ -397,11 +405,11 @@ class _Emulation:
         # torch's group constructors look the class up in distributed_c10d at call time
         self._patch(_c10d, "ProcessGroupGloo", _in_order_gloo_class())
         self._mode = _CudaToCpuMode()
-        self._mode.__enter__()
+        self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves TorchFunctionMode's unannotated
 
     def restore(self) -> None:
         if self._mode is not None:
-            self._mode.__exit__(None, None, None)
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # unannotated in torch
             self._mode = None
         for owner, name, original in reversed(self._originals):
             if original is self._MISSING:

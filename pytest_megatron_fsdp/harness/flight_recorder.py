@@ -20,6 +20,7 @@ Plain Python over the decoded records (unit-tested with made-up ones); torch onl
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import pickle
 import re
@@ -82,13 +83,13 @@ def dump(path: Path) -> bool:
     try:
         from torch._C import _distributed_c10d as c10d
 
-        raw = c10d._dump_fr_trace(True, False, False)
+        # private, absent from torch's hints and from some builds: the except below covers that
+        raw = c10d._dump_fr_trace(True, False, False)  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
         return False
-    try:
+    # a record of another shape: written as torch made it
+    with contextlib.suppress(Exception):
         raw = pickle.dumps(complete_pg_config(pickle.loads(raw), _registered_groups()))
-    except Exception:  # noqa: BLE001 - a record of another shape: written as torch made it
-        pass
     # named apart from the dumps (no prefix, no trailing digits): torchfrtrace reads every file whose
     # name holds the prefix, and a reader never sees half a dump
     tmp = path.with_name(f".partial-{path.name.replace(DUMP_PREFIX, '')}-{os.getpid()}.tmp")
@@ -133,7 +134,8 @@ def complete_pg_config(trace: dict[str, Any], groups: Mapping[str, Mapping[str, 
 
 def load(path: Path) -> dict[str, Any] | None:
     try:
-        return pickle.loads(path.read_bytes())  # written by this session's own ranks
+        trace: dict[str, Any] = pickle.loads(path.read_bytes())  # written by this session's own ranks
+        return trace
     except (OSError, pickle.UnpicklingError, EOFError):
         return None
 
@@ -160,7 +162,7 @@ def collectives(rank: int, trace: Mapping[str, Any]) -> list[Collective]:
     for entry in trace.get("entries", []):
         if entry.get("is_p2p"):
             continue
-        name, desc = (tuple(entry.get("process_group") or ("?", "?")) + ("", ""))[:2]
+        name, desc = ((*tuple(entry.get("process_group") or ("?", "?")), "", ""))[:2]
         op = str(entry.get("profiling_name", "?")).split(":", 1)[-1]
         completed = bool(entry.get("retired")) or entry.get("state") == "completed"
         found.append(

@@ -130,7 +130,7 @@ class Finished:
 
 
 Event = Collected | Started | Warnings | Report | Finished
-EVENT_TYPES: dict[str, type] = {t.kind: t for t in (Collected, Started, Warnings, Report, Finished)}
+EVENT_TYPES: dict[str, type[Event]] = {t.kind: t for t in (Collected, Started, Warnings, Report, Finished)}
 
 
 def encode_event(event: Event) -> str:

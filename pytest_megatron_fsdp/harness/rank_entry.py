@@ -47,7 +47,8 @@ def wait_for_argv(argv_path: Path, parent_pid: int, limit_s: float = WAIT_LIMIT_
         if not _alive(parent_pid) or time.monotonic() > deadline:
             return None
         time.sleep(_POLL_S)
-    return json.loads(argv_path.read_text())
+    argv: list[str] = json.loads(argv_path.read_text())  # written by the parent: a list of strings
+    return argv
 
 
 def main(args: list[str]) -> int:

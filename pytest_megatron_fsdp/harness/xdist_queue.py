@@ -58,7 +58,7 @@ def upcoming(
     interactor = _interactor(config)
     if interactor is None or not hasattr(config, "workerinput"):
         return items[items.index(item) :]
-    torun = getattr(interactor, "torun", None)
+    torun: Any = getattr(interactor, "torun", None)  # pytest-xdist's private work queue
     if not supported(xdist_version() if version is None else version) or not (
         hasattr(torun, "lock") and hasattr(interactor, "nextitem_index")
     ):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
@@ -68,7 +68,10 @@ class TestRecorder:
         record_result(self.item, run, result)
 
     def on_checkpoint(self, run: Run, figures: dict[str, float]) -> None:
-        record_checkpoint(self.item, **figures)
+        size = figures.get("bytes")  # a count of bytes, carried as a figure
+        record_checkpoint(
+            self.item, None if size is None else int(size), figures.get("save_s"), figures.get("load_s")
+        )
 
 
 def peak_memory_bytes(platform: str) -> tuple[int, str]:
@@ -199,7 +202,8 @@ def run_records(target: pytest.FixtureRequest | pytest.Item) -> list[RunRecord]:
 
 def _item_of(target: Any) -> pytest.Item:
     if isinstance(target, pytest.FixtureRequest):
-        return target.node
+        # the test's own request (function scope): its node is the test item
+        return cast(pytest.Item, target.node)
     if isinstance(target, pytest.Item):
         return target
     observer = getattr(target, "observer", None)
@@ -213,7 +217,7 @@ def _item_of(target: Any) -> pytest.Item:
 
 def record_checkpoint(
     target: Any,
-    bytes: int | None = None,  # noqa: A002 (the figure's name in the report)
+    bytes: int | None = None,  # the figure's name in the report
     save_s: float | None = None,
     load_s: float | None = None,
 ) -> None:
@@ -237,7 +241,8 @@ def record_checkpoint(
     item.user_properties.extend((f"mfsdp.checkpoint_{k}", fmt_number(v)) for k, v in given.items())
     records = item.stash.get(_RECORDS, [])
     if records:
-        records[-1] = dataclasses.replace(records[-1], **{f"checkpoint_{k}": v for k, v in given.items()})
+        changes: dict[str, Any] = {f"checkpoint_{k}": v for k, v in given.items()}
+        records[-1] = dataclasses.replace(records[-1], **changes)
     else:
         # No run recorded yet in this test: the next run record of this test takes the figures.
         item.stash.setdefault(_PENDING_CHECKPOINT, {}).update(given)

@@ -15,9 +15,12 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .record import RunRecord
+
+if TYPE_CHECKING:
+    from matplotlib.ticker import MaxNLocator
 
 SCHEMA_VERSION = 1
 #: the JSON report's schema (JSON Schema 2020-12), package data next to this module
@@ -201,9 +204,10 @@ def _strict(value: Any) -> Any:
 
 def report_schema() -> dict[str, Any]:
     """The JSON report's schema, read from the installed package (wheel, sdist or checkout)."""
-    return json.loads(
+    schema: dict[str, Any] = json.loads(
         importlib.resources.files(__package__).joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
     )
+    return schema
 
 
 def report_document(records: Sequence[RunRecord], mode: str) -> dict[str, Any]:
@@ -334,7 +338,8 @@ def plot_figure(records: Sequence[RunRecord]) -> Any:
     width = left + PLOT_AXES_WIDTH + gap + legend_width
     height = top + sum(p[4] + space for p in panels)
     fig = plt.figure(figsize=(width, height))
-    colors = plt.get_cmap("tab10").colors
+    # tab10 is a ListedColormap, whose .colors (a list of RGB triples) the Colormap hints lack
+    colors: Sequence[Any] = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
     styles = ("-", "--", ":", "-.")
     y = height - top
     for file, runs, labels, columns, panel_height in panels:
@@ -361,7 +366,8 @@ def plot_figure(records: Sequence[RunRecord]) -> Any:
         ax.set_title(f"{file} ({len(runs)} run{'s' if len(runs) != 1 else ''})", fontsize=10, loc="left")
         ax.set_xlabel("iteration", fontsize=9)
         ax.set_ylabel("lm loss", fontsize=9)
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        # a line plot's default locator is an AutoLocator, a MaxNLocator: it takes integer=
+        cast("MaxNLocator", ax.xaxis.get_major_locator()).set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(
             fontsize=7.5,

@@ -175,7 +175,8 @@ def test_saved_layout_is_bridges(megatron_fsdp_run, run_config, checkpoint_dir, 
     root = checkpoint_dir
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     train_state = torch.load(root / "latest_train_state.pt", weights_only=True)
-    assert train_state["iteration"] == 5 and train_state["ckpt_format"] == "fsdp_dtensor"
+    assert train_state["iteration"] == 5
+    assert train_state["ckpt_format"] == "fsdp_dtensor"
     # every save kept, nothing else (no temp directories or files left behind)
     assert sorted(p.name for p in root.iterdir()) == [
         "iter_0000002",
@@ -226,7 +227,7 @@ def _flip_bytes(path: Path, count: int = 64) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind, expected",
+    ("kind", "expected"),
     [
         ("directory missing", r"checkpoint directory \S*does-not-exist does not exist"),
         ("metadata missing", r"iter_0000001/\.metadata is missing"),
@@ -260,7 +261,7 @@ def test_bad_checkpoint_is_refused_on_every_rank(
         target = run  # a refused load must leave even the run it was refused for unchanged
     before_disk, before_state = _tree(checkpoint_dir), state_snapshot(target)
     reads = []
-    monkeypatch.setattr(ckpt.dcp, "load", lambda *args, **kwargs: reads.append(args))
+    monkeypatch.setattr(ckpt.state_dict_loader, "load", lambda *args, **kwargs: reads.append(args))
 
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=expected) as refused:
@@ -398,7 +399,7 @@ def test_a_checkpoint_saved_before_digests_existed_loads_with_a_warning(
 
 
 @pytest.mark.parametrize(
-    "saved_with, loaded_into",
+    ("saved_with", "loaded_into"),
     [
         ("optim_grads_params", "optim_grads"),
         ("optim_grads_params", "optim"),
@@ -439,7 +440,8 @@ def test_the_fingerprint_sees_one_changed_element(megatron_fsdp_run, run_config,
         shard.to_local().view(-1)[0] += 1e-3
     after = state_fingerprint(run)
     changed = fingerprint_differences(before, after)
-    assert len(changed) == 1 and changed[0].startswith("model."), changed
+    assert len(changed) == 1, changed
+    assert changed[0].startswith("model."), changed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +525,8 @@ def test_megatron_lm_key_layout_for_the_bridge_reference_preset(
     # param_to_group_meta: one pickled entry per parameter and group setting (lr, betas, ...)
     group_meta = "optimizer.param_to_group_meta."
     tensors = {k for k in saved if k.startswith(("model.", "optimizer.")) and not k.startswith(group_meta)}
-    assert sorted(tensors - expected) == [] and sorted(expected - tensors) == []
+    assert sorted(tensors - expected) == []
+    assert sorted(expected - tensors) == []
     with_group_meta = {p for p in params if any(k.startswith(f"{group_meta}{p}.") for k in saved)}
     assert with_group_meta == params
     assert [
@@ -614,7 +617,11 @@ def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
     from pytest_megatron_fsdp.fsdp.megatron_layout import strip_wrappers
     from pytest_megatron_fsdp.fsdp.snapshots import tensor_digest
 
-    _on_rank0(dist_env, lambda: tarfile.open(PRE_DIGEST_ARCHIVE).extractall(checkpoint_dir, filter="data"))
+    def extract() -> None:
+        with tarfile.open(PRE_DIGEST_ARCHIVE) as archive:
+            archive.extractall(checkpoint_dir, filter="data")
+
+    _on_rank0(dist_env, extract)
     root = checkpoint_dir / "pre-digest-checkpoint"
     on_disk = _whole_state_on_disk(root / "iter_0000003")
     expected = {
@@ -634,7 +641,8 @@ def test_a_pre_digest_checkpoint_from_the_floor_stack_loads_exactly(
     tracker = tensor_parallel.get_cuda_rng_tracker()
     # Megatron's RNG tracker, saved flat as "tracker.<name>"
     saved_tracker = {k.removeprefix("tracker."): v for k, v in mine.items() if k.startswith("tracker.")}
-    assert saved_tracker and not _same_tensors(tracker.get_states(), saved_tracker)
+    assert saved_tracker
+    assert not _same_tensors(tracker.get_states(), saved_tracker)
     with pytest.warns(CheckpointWarning, match=r"iter_0000003 has no digests\.json .* not verified"):
         assert load_checkpoint(run, root) == 3
     assert fingerprint_differences(expected, state_fingerprint(run)) == []

@@ -55,7 +55,8 @@ def test_swiglu_halves_on_disk_are_the_gate_and_the_linear_half(
     params = {strip_wrappers(n): p for n, p in run.model.named_parameters()}
     fc1 = sorted(k for k in params if k.endswith("mlp.linear_fc1.weight"))
     fc2 = sorted(k for k in params if k.endswith("mlp.linear_fc2.weight"))
-    assert fc1 and fc2
+    assert fc1
+    assert fc2
     weights = {k: _full(params[k]) for k in fc1 + fc2}  # every rank: collectives
     model_on_disk = _whole_state_on_disk(saved.path)["model"]
     disk = {strip_wrappers(k): v for k, v in model_on_disk.items()}

@@ -177,7 +177,8 @@ def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monk
     )
     result = run.train(ITERS)
     assert compute_dtypes == {torch.bfloat16}
-    assert comm_dtypes and set(comm_dtypes) == {torch.bfloat16}, comm_dtypes
+    assert comm_dtypes, comm_dtypes
+    assert set(comm_dtypes) == {torch.bfloat16}, comm_dtypes
     # fp32 main weights: the optimizer steps the sharded fp32 copies
     assert {p.dtype for group in run.optimizer.param_groups for p in group["params"]} == {torch.float32}
     assert_last_loss_finite(result)
@@ -247,7 +248,8 @@ def test_fully_shard_checkpoint_round_trip_resumes_exactly(
     run = build(0)
     run.train(3)
     saved = save_checkpoint(run, checkpoint_dir)
-    assert saved.iteration == 3 and (saved.path / ".metadata").is_file()
+    assert saved.iteration == 3
+    assert (saved.path / ".metadata").is_file()
     expected = run.train(3).losses
     fresh = build(1)
     assert fresh.train(1).losses != expected[:1]  # another model: the comparison below means something

@@ -17,7 +17,8 @@ from pytest_megatron_fsdp import (
 @pytest.mark.distributed(world_size=2)
 class TestMegatronFSDP:
     def test_fsdp_pretrain_basic(self, megatron_fsdp_run, run_config):
-        assert run_config.dist.use_megatron_fsdp and run_config.ddp.use_megatron_fsdp
+        assert run_config.dist.use_megatron_fsdp
+        assert run_config.ddp.use_megatron_fsdp
         assert run_config.ddp.data_parallel_sharding_strategy == "optim_grads_params"
         assert run_config.checkpoint.ckpt_format == "fsdp_dtensor"
         run_config.train.train_iters = 10

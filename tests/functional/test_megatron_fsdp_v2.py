@@ -208,7 +208,8 @@ def test_v2_refuses_the_harness_fsdp_dtensor_checkpoint_in_one_line(megatron_fsd
     with pytest.raises(ConfigError) as refused:
         save_checkpoint(run, tmp_path / "ckpt")
     message = str(refused.value)
-    assert "\n" not in message and message.startswith("ddp.megatron_fsdp_version=2 with checkpoint save")
+    assert "\n" not in message
+    assert message.startswith("ddp.megatron_fsdp_version=2 with checkpoint save")
     assert "checkpoint_v2.save_dcp" in message
     assert not (tmp_path / "ckpt").exists()
 
@@ -220,7 +221,8 @@ def test_marker_selects_v2_and_the_hybrid_model(megatron_fsdp_run, run_config):
     HybridModel preset, which trains (skipped where either is missing)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    assert run_config.ddp.megatron_fsdp_version == 2 and run_config.model.preset == "tiny-hybrid"
+    assert run_config.ddp.megatron_fsdp_version == 2
+    assert run_config.model.preset == "tiny-hybrid"
     run = megatron_fsdp_run(run_config)
     assert type(run.model).__name__ == "FullyShardedDataParallelV2"
     assert isinstance(run.model.module, HybridModel)

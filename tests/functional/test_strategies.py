@@ -61,7 +61,7 @@ def ddp_result(megatron_fsdp_run, run_config, dist_env):
 
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize(
-    "strategy, overlap",
+    ("strategy", "overlap"),
     [
         ("optim_grads_params", True),
         ("optim_grads_params", False),
@@ -198,7 +198,8 @@ def test_meta_device_init_trains_and_is_materialised(megatron_fsdp_run, run_conf
         with pytest.raises(config.ConfigError) as refused:
             megatron_fsdp_run(run_config)
         message = str(refused.value)
-        assert message == problem and "\n" not in message
+        assert message == problem
+        assert "\n" not in message
         assert message.startswith("model.init_model_with_meta_device=True ")
         assert message.endswith("set model.init_model_with_meta_device=False")
         return
@@ -225,7 +226,8 @@ def test_torch_fsdp2_wrapper_is_constructed_with_process_group(megatron_fsdp_run
     run = megatron_fsdp_run(_fsdp2(run_config))
     assert type(run.model).__name__ == "TorchFullyShardedDataParallel"
     params = list(run.model.parameters())
-    assert params and all(isinstance(p, DTensor) for p in params)
+    assert params
+    assert all(isinstance(p, DTensor) for p in params)
     assert sum(p.to_local().numel() for p in params) < sum(p.numel() for p in params)
 
 
@@ -251,8 +253,10 @@ def test_torch_fsdp2_trains(known_bug, megatron_fsdp_run, run_config):
     use_megatron_fsdp=False, set=["train.train_iters=3", "ddp.overlap_grad_reduce=false"]
 )
 def test_config_marker_reaches_run_config_and_picks_the_wrapper(megatron_fsdp_run, run_config, dist_env):
-    assert not run_config.dist.use_megatron_fsdp and not run_config.ddp.use_megatron_fsdp
-    assert run_config.train.train_iters == 3 and run_config.ddp.overlap_grad_reduce is False
+    assert not run_config.dist.use_megatron_fsdp
+    assert not run_config.ddp.use_megatron_fsdp
+    assert run_config.train.train_iters == 3
+    assert run_config.ddp.overlap_grad_reduce is False
     run = megatron_fsdp_run(run_config)
     assert type(run.model).__name__ == "DistributedDataParallel"  # Bridge's _ddp_wrap fallback
     assert len(run.train().losses) == 3

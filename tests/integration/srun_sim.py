@@ -22,6 +22,7 @@ one line per task: how it ended.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,10 +69,8 @@ def slurm_environment(
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def describe(code: int | None) -> str:
@@ -94,7 +93,7 @@ def run_step(
 ) -> tuple[int, list[str], list[int | None]]:
     """Run the step; (srun's exit code, each task's output, each task's return code)."""
     ntasks = nodes * per_node
-    outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(ntasks)]
+    outputs = [tempfile.TemporaryFile(mode="w+") for _ in range(ntasks)]  # noqa: SIM115 - closed after the step
     tasks = [
         subprocess.Popen(
             command,

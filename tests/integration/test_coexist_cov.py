@@ -35,7 +35,8 @@ def test_pytest_cov_counts_the_ranks_without_any_coverage_configuration(pytester
     # imported by the parent too (its def line runs there): there is data even without the ranks'
     pytester.makeconftest("import ranks_only  # noqa: F401")
     pytester.makepyfile(ranks_only=RANKS_ONLY, test_on_ranks=TESTS)
-    assert not list(pytester.path.glob("*.toml")) and not list(pytester.path.glob(".coveragerc"))
+    assert not list(pytester.path.glob("*.toml"))
+    assert not list(pytester.path.glob(".coveragerc"))
     result = pytester.runpytest_subprocess(
         "-p",
         "no:cacheprovider",

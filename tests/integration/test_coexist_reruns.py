@@ -120,7 +120,8 @@ def test_rerunfailures_reruns_distributed_tests_in_fresh_rank_sets(pytester, lef
         ("assertion", 1),
     ):
         pids = _pids(pytester.path, name)
-        assert len(pids) == attempts and len(set(pids)) == attempts, (name, pids)
+        assert len(pids) == attempts, (name, pids)
+        assert len(set(pids)) == attempts, (name, pids)
     # why a failure with attempts left was not rerun, in its report
     result.stdout.fnmatch_lines(
         [

@@ -20,7 +20,8 @@ def test_premul_sum_is_the_pre_multiplied_sum_over_gloo(dist_env):
     """In a CPU rank (emulation on): NCCL's PREMUL_SUM, as Megatron-FSDP builds it, over gloo."""
     import torch.distributed as dist
 
-    assert dist_env.backend == "gloo" and cuda_emulation.is_enabled()
+    assert dist_env.backend == "gloo"
+    assert cuda_emulation.is_enabled()
     factor = 1.0 / dist_env.world_size
     per_rank = [torch.arange(8, dtype=torch.float32) * (r + 1) + r for r in range(dist_env.world_size)]
     expected = sum(factor * x for x in per_rank)  # computed here, from every rank's input

@@ -148,19 +148,24 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
 
     result.stdout.fnmatch_lines(["*test_rank1_raises*", "*failed on rank 1 (passed on 0)*"])
     assert "RuntimeError: boom on rank 1" in out
-    assert "failed on ranks 0, 1" in out and "rank 1 gives up before the all_reduce" in out
+    assert "failed on ranks 0, 1" in out
+    assert "rank 1 gives up before the all_reduce" in out
     assert "rank 1 died (exit code 3)" in out
     assert "rank 1 died (signal SIGKILL)" in out
     # A fatal signal's report quotes the Python stack faulthandler wrote into that rank's log.
     aborted = out[out.index("test_rank1_aborts _") : out.index("test_rank1_hangs _")]
     assert "rank 1 died (signal SIGABRT)" in aborted
     rank1 = aborted[aborted.index("---------- rank 1") :]
-    assert "Fatal Python error: Aborted" in rank1 and "in test_rank1_aborts" in rank1
+    assert "Fatal Python error: Aborted" in rank1
+    assert "in test_rank1_aborts" in rank1
     assert f"timed out: the test exceeded its {HANG_TIMEOUT_S} s timeout" in out
     # The hang's report carries every rank's stack: rank 1 sleeping in the test, rank 0 in barrier.
     hang = out[out.index("test_rank1_hangs _") :]
-    assert "in test_rank1_hangs" in hang and "---------- rank 1" in hang and "---------- rank 0" in hang
-    assert "failed on rank 0 (passed on 1)" in out and "rank 0 disagrees" in out
+    assert "in test_rank1_hangs" in hang
+    assert "---------- rank 1" in hang
+    assert "---------- rank 0" in hang
+    assert "failed on rank 0 (passed on 1)" in out
+    assert "rank 0 disagrees" in out
     result.stdout.fnmatch_lines(["*SKIPPED*only rank 1 skips (skipped on rank 1 only; rank 0 did not skip)*"])
     result.stdout.fnmatch_lines(["PASSED*test_healthy_after_all_that*"])
     # A process group that cannot be rebuilt fails the test that preceded the rebuild, naming the
@@ -201,7 +206,8 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
     # JUnit XML sees the same node ids and outcomes.
     junit = (pytester.path / "junit.xml").read_text()
     result.stdout.fnmatch_lines(["XFAIL*test_expected_failure_stays_an_xfail*known upstream bug*"])
-    assert junit.count("<testcase") == 12 and 'name="test_rank1_exits"' in junit
+    assert junit.count("<testcase") == 12
+    assert 'name="test_rank1_exits"' in junit
 
     # Nothing left running, nothing left in the temp dir.
     assert leftover_processes(pytester.path) == []
@@ -243,7 +249,8 @@ def test_b(dist_env): pass
         )
         == 2
     ), text  # said by both ranks
-    assert "PASSED" not in text and " passed" not in text
+    assert "PASSED" not in text
+    assert " passed" not in text
     assert leftover_processes(pytester.path) == []
 
 
@@ -270,8 +277,10 @@ def test_fine(dist_env):
     # one report: rank 0's, which carries rank 1's traceback and captured output
     assert text.count("test session starts") == 1, text
     assert text.count("1 failed, 1 passed") == 1, text
-    assert "failed on rank 1 (passed on 0)" in text and "rank 1 says no" in text
-    assert "Captured stdout call (rank 1)" in text and "captured on rank 1" in text
+    assert "failed on rank 1 (passed on 0)" in text
+    assert "rank 1 says no" in text
+    assert "Captured stdout call (rank 1)" in text
+    assert "captured on rank 1" in text
     log = pytester.path / ".pytest_cache/d/mfsdp-logs/torchrun/rank1.log"
     assert "rank 1 says no" in log.read_text()  # logged by rank 1 the moment it failed
     assert str(log) in text  # and the report points at it
@@ -305,7 +314,8 @@ def test_ranks_disagree_on_the_collective(dist_env):
     disagree = out[out.index("test_ranks_disagree_on_the_collective _") :]
     for failure in (skipped, disagree):
         # the first rank to expire waits for the other's flight record and stacks
-        assert "timeout on rank 0" in failure and "timeout on rank 1" in failure, failure
+        assert "timeout on rank 0" in failure, failure
+        assert "timeout on rank 1" in failure, failure
     assert (
         "collective #1 in default_pg differs across ranks: rank 0 broadcast [[3]], rank 1 all_reduce [[5]]"
         in disagree
@@ -373,4 +383,5 @@ def test_long(dist_env):
     assert set(cases) == {"test_done", "test_long"}, out
     assert len(cases["test_done"]) == 0  # passed: no failure/skip child
     failure = cases["test_long"].find("failure")
-    assert failure is not None and "interrupted" in (failure.get("message", "") + (failure.text or "")), out
+    assert failure is not None, out
+    assert "interrupted" in (failure.get("message", "") + (failure.text or "")), out

@@ -163,7 +163,8 @@ def test_a_foreign_torchrun_suite_keeps_every_ranks_output(
     )
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
-    assert "FOREIGN rank 0 reduced 2" in text and "FOREIGN rank 1 reduced 2" in text, text
+    assert "FOREIGN rank 0 reduced 2" in text, text
+    assert "FOREIGN rank 1 reduced 2" in text, text
     assert text.count("2 passed in ") == 2, text  # each rank's own summary (the lines may interleave)
     assert "megatron-fsdp:" not in text
     # no log dir ($TMPDIR/mfsdp-logs without the cache plugin), no rank temp tree, no session dir
@@ -208,7 +209,8 @@ def test_all_reduce(dist_env):
     assert text.count("test session starts") == 1, text  # rank 1's header went to its log
     assert text.count("megatron-fsdp: platform=cpu") == 1, text
     logs = list((pytester.path / ".pytest_cache").rglob("rank1.log"))
-    assert len(logs) == 1 and "test session starts" in logs[0].read_text()
+    assert len(logs) == 1
+    assert "test session starts" in logs[0].read_text()
     # the ranks' private temp trees are gone (torchrun's own torchelastic_* dir stays: it never removes it)
     assert [n for n in os.listdir(isolated_tmp) if not n.startswith("torchelastic_")] == []
     assert leftover_processes(pytester.path) == []

@@ -228,5 +228,6 @@ def test_the_functional_suite_under_xdist_runs_like_without_it(tmp_path, leftove
     assert failed == [], "\n\n".join(failed)[-20000:]  # each failure's whole report, rank logs included
     assert run.returncode == 0, out[-3000:]
     workers = {p.name.split("-", 1)[0] for p in logs.iterdir()}
-    assert workers <= {"gw0", "gw1"} and workers, sorted(p.name for p in logs.iterdir())
+    assert workers <= {"gw0", "gw1"}, sorted(p.name for p in logs.iterdir())
+    assert workers, sorted(p.name for p in logs.iterdir())
     assert leftover_processes(tmp_path) == []  # no rank, torchrun agent or worker outlives the session

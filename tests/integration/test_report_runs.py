@@ -92,7 +92,8 @@ def _check_report(path: Path, mode: str, workdir: Path) -> dict:
         run = runs[f"test_iters[{iters}]"]
         assert run["iterations"] == iters
         assert len(run["losses"]) == len(run["grad_norms"]) == len(run["step_times_s"]) == iters
-        assert run["first_loss"] == run["losses"][0] and run["last_loss"] == run["losses"][-1]
+        assert run["first_loss"] == run["losses"][0]
+        assert run["last_loss"] == run["losses"][-1]
         assert run["tokens_per_step"] == tiny.micro_batch_size * tiny.seq_length * 1 * 2
         mean_step = statistics.mean(run["step_times_s"][1:])
         assert run["ms_per_step"] == pytest.approx(1000 * mean_step)
@@ -102,7 +103,8 @@ def _check_report(path: Path, mode: str, workdir: Path) -> dict:
     # the 6-iteration run continues past the 3-iteration one's length: a real series, not padding
     assert runs["test_iters[6]"]["losses"][:3] == runs["test_iters[3]"]["losses"]
     absurd = runs["test_absurd_lr"]
-    assert absurd["last_loss"] == "NaN" and absurd["losses"][-1] == "NaN"
+    assert absurd["last_loss"] == "NaN"
+    assert absurd["losses"][-1] == "NaN"
     assert runs["test_checkpoint"]["checkpoint"]["bytes"] == (workdir / "ckpt.pt").stat().st_size
     assert runs["test_checkpoint"]["checkpoint"]["load_s"] == 0.125
     assert runs["test_checkpoint"]["checkpoint"]["save_s"] > 0
@@ -125,9 +127,11 @@ def _check_summary(stdout: str) -> None:
     lines = stdout.splitlines()
     lines = lines[lines.index(next(x for x in lines if "megatron-fsdp training runs" in x)) :]
     absurd = lines[lines.index(next(x for x in lines if x.endswith("::test_absurd_lr"))) + 2]
-    assert "→ NaN" in absurd and "×" in absurd
+    assert "→ NaN" in absurd
+    assert "×" in absurd
     six = lines[lines.index(next(x for x in lines if x.endswith("::test_iters[6]"))) + 2]
-    assert " 6 " in six and "max RSS" in six
+    assert " 6 " in six
+    assert "max RSS" in six
     assert "checkpoint:" in stdout
 
 
@@ -146,7 +150,8 @@ def test_plain_mode_report_junit_and_summary(pytester):
     result.assert_outcomes(passed=5)
     # The launched ranks get the parent's flags too, but only the parent writes the report.
     rank_logs = [p.read_text() for p in (pytester.path / "logs").rglob("rank*.log")]
-    assert len(rank_logs) == 2 and all("START test_runs.py::test_checkpoint" in log for log in rank_logs)
+    assert len(rank_logs) == 2
+    assert all("START test_runs.py::test_checkpoint" in log for log in rank_logs)
     assert not [log for log in rank_logs if "JSON report:" in log or "training runs" in log]
     _check_report(pytester.path / "out" / "report.json", "plain", pytester.path)
     _check_junit(pytester.path / "out" / "junit.xml")

@@ -88,7 +88,8 @@ def test_a_test_failing_every_attempt_fails_after_n_plus_1_and_the_marker_wins(p
     assert [len(p) for p in _attempt_pids(pytester.path, "never").values()] == [1, 1]
     # the final failure carries the earlier two as sections
     assert "attempt 3 fails too" in out
-    assert "megatron-fsdp: attempt 1 of 3 failed" in out and "megatron-fsdp: attempt 2 of 3 failed" in out
+    assert "megatron-fsdp: attempt 1 of 3 failed" in out
+    assert "megatron-fsdp: attempt 2 of 3 failed" in out
     assert leftover_processes(pytester.path) == []
 
 

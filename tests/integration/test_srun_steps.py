@@ -87,11 +87,14 @@ def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes):
     done = _sim(pytester.path, "--ntasks-per-node=2", *_pytest(), job=_free_job_id(1))
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert "0: " + "=" * 10 in out and "3 passed" in out, out
+    assert "0: " + "=" * 10 in out, out
+    assert "3 passed" in out, out
     task1 = [line for line in out.splitlines() if line.startswith("1: ")]
     assert not any("passed" in line or "test session starts" in line for line in task1), out  # in its log
-    assert "srun-sim: task 0: exit code 0" in out and "srun-sim: task 1: exit code 0" in out
-    assert "megatron-fsdp: platform=cpu" in out and "world_size=2" in out
+    assert "srun-sim: task 0: exit code 0" in out
+    assert "srun-sim: task 1: exit code 0" in out
+    assert "megatron-fsdp: platform=cpu" in out
+    assert "world_size=2" in out
     assert os.listdir(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
 
@@ -105,7 +108,8 @@ def test_two_by_two_on_two_loopback_nodes(pytester, isolated_tmp, leftover_proce
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
-    assert "2 passed" in out and "world_size=4" in out, out
+    assert "2 passed" in out, out
+    assert "world_size=4" in out, out
     assert [f"srun-sim: task {t}: exit code 0" in out for t in range(4)] == [True] * 4, out
     assert os.listdir(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
@@ -175,7 +179,8 @@ def test_a_task_that_never_runs_pytest_is_one_line_not_a_hang(pytester, isolated
     errors = [line for line in out.splitlines() if "ERROR: megatron-fsdp: rank 0 of 2 could not meet" in line]
     assert len(errors) == 1, out
     assert "within 5 s (--mfsdp-pg-timeout)" in errors[0]
-    assert "srun task 0 of 2" in errors[0] and "every one of the step's 2 tasks must run pytest" in errors[0]
+    assert "srun task 0 of 2" in errors[0]
+    assert "every one of the step's 2 tasks must run pytest" in errors[0]
     assert os.listdir(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
 

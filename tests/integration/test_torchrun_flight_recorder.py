@@ -51,7 +51,8 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(
     assert f"python -m pytest_megatron_fsdp collectives {logs / 'torchrun'}" in text, text
     assert f"torchfrtrace {logs / 'torchrun'} -p flight_recorder_rank_" in text, text
     # both ranks dumped their stacks before either ended (torchrun stops the rest when one exits)
-    assert "timeout on rank 0" in text and "timeout on rank 1" in text, text
+    assert "timeout on rank 0" in text, text
+    assert "timeout on rank 1" in text, text
     assert "collectives (c10d flight recorder" in (logs / "torchrun" / "rank0.log").read_text()
     assert time.monotonic() - started < HANG_TIMEOUT_S + 60, text  # start-up, timeout, dumps
     assert leftover_processes(pytester.path) == []

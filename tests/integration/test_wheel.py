@@ -40,7 +40,10 @@ def source_version() -> str:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets
         ):
-            assert isinstance(node.value, ast.Constant) and isinstance(node.value.value, str), (
+            assert isinstance(node.value, ast.Constant), (
+                "pytest_megatron_fsdp.__version__ must be a string literal (setuptools reads the source)"
+            )
+            assert isinstance(node.value.value, str), (
                 "pytest_megatron_fsdp.__version__ must be a string literal (setuptools reads the source)"
             )
             return node.value.value
@@ -62,8 +65,19 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(PACKAGE, src / PACKAGE.name, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("dist")
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--no-build-isolation"]
-        + ["--check-build-dependencies", "--wheel-dir", str(out), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--check-build-dependencies",
+            "--wheel-dir",
+            str(out),
+            str(src),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -240,8 +254,16 @@ def test_the_installed_wheel_runs_an_example_suite(wheel_venv: Path, tmp_path: P
     env = outside_env()
     env["WHEEL_VENV"] = str(wheel_venv)
     result = subprocess.run(
-        [str(wheel_venv / "bin" / "python"), "-m", "pytest", "-v", "-p", "no:cacheprovider"]
-        + ["--mfsdp-platform=cpu", "test_example.py"],
+        [
+            str(wheel_venv / "bin" / "python"),
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "--mfsdp-platform=cpu",
+            "test_example.py",
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,

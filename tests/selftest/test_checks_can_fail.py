@@ -36,7 +36,7 @@ def test_absurd_learning_rate_fails_the_finite_loss_check(megatron_fsdp_run, run
 
 def test_finite_loss_check_names_the_one_bad_rank(dist_env):
     losses = [4.8, 4.5, 4.2]
-    local = losses[:-1] + [float("nan") if dist_env.rank == 1 else 4.2]
+    local = [*losses[:-1], float("nan") if dist_env.rank == 1 else 4.2]
     result = TrainResult(losses=losses, local_losses=local)
     with pytest.raises(AssertionError) as failure:
         assert_last_loss_finite(result)
@@ -80,6 +80,6 @@ def test_plain_ddp_fails_the_sharding_check(megatron_fsdp_run, run_config):
     assert_last_loss_finite(result)  # it trains fine: only the sharding check tells it apart
     with pytest.raises(
         AssertionError,
-        match="DistributedDataParallel, not megatron-core.s FullyShardedDataParallel",
+        match=r"DistributedDataParallel, not megatron-core.s FullyShardedDataParallel",
     ):
         assert_megatron_fsdp_sharded(run.model)

@@ -127,7 +127,8 @@ def test_a_damaged_metadata_file_is_refused_before_it_is_unpickled(saved, monkey
 
     monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", unpickle)
     _, problems = checkpoint_problems(saved)
-    assert len(problems) == 1 and problems[0].startswith(f"{metadata} does not match its sha256 digest")
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{metadata} does not match its sha256 digest")
 
 
 def test_a_damaged_train_state_is_named(saved):
@@ -154,7 +155,7 @@ def test_a_file_without_a_digest_is_named(saved):
 
 
 @pytest.mark.parametrize(
-    "content, expected",
+    ("content", "expected"),
     [
         ("{not json", "is not a valid digest manifest (JSONDecodeError"),
         ('{"files": {}}', "is not a valid digest manifest (KeyError"),
@@ -165,7 +166,9 @@ def test_an_unusable_digest_manifest_is_named(saved, content, expected):
     manifest_path = saved / "iter_0000005" / DIGESTS_FILE
     manifest_path.write_text(content)
     _, problems = checkpoint_problems(saved)
-    assert len(problems) == 1 and problems[0].startswith(f"{manifest_path} ") and expected in problems[0]
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{manifest_path} ")
+    assert expected in problems[0]
 
 
 def test_a_checkpoint_without_digests_loads_with_a_warning(legacy):
@@ -189,9 +192,8 @@ def test_tracker_that_is_not_a_number(saved, content):
 def test_missing_tracker(saved):
     (saved / ckpt.TRACKER_FILE).unlink()
     iteration, problems = checkpoint_problems(saved)
-    assert iteration is None and problems == [
-        f"{saved / ckpt.TRACKER_FILE} does not exist: {saved} holds no completed checkpoint"
-    ]
+    assert iteration is None
+    assert problems == [f"{saved / ckpt.TRACKER_FILE} does not exist: {saved} holds no completed checkpoint"]
 
 
 def test_tracker_naming_a_missing_iteration(saved):
@@ -205,7 +207,8 @@ def test_tracker_naming_a_missing_iteration(saved):
 def test_missing_metadata(saved):
     (saved / "iter_0000005" / ".metadata").unlink()
     _, problems = checkpoint_problems(saved)
-    assert len(problems) == 1 and ".metadata is missing" in problems[0]
+    assert len(problems) == 1
+    assert ".metadata is missing" in problems[0]
 
 
 def test_truncated_shard_names_file_and_sizes(legacy):
@@ -245,7 +248,8 @@ def test_train_state_of_another_iteration(legacy):
         {"iteration": 4, "ckpt_format": "fsdp_dtensor"}, legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE
     )
     _, problems = checkpoint_problems(legacy)
-    assert len(problems) == 1 and "says iteration 4" in problems[0]
+    assert len(problems) == 1
+    assert "says iteration 4" in problems[0]
 
 
 class Payload:
@@ -255,7 +259,9 @@ class Payload:
 def test_train_state_is_read_weights_only(legacy):
     torch.save({"iteration": 5, "x": Payload()}, legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE)
     _, problems = checkpoint_problems(legacy)
-    assert len(problems) == 1 and "cannot be read" in problems[0] and "weights_only" in problems[0].lower()
+    assert len(problems) == 1
+    assert "cannot be read" in problems[0]
+    assert "weights_only" in problems[0].lower()
 
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
@@ -303,7 +309,8 @@ def test_publishing_removes_what_killed_saves_left(tmp_path):
     unrelated = tmp_path / "iter_0000007.notes"
     unrelated.mkdir()
     _save(tmp_path, 5)
-    assert not killed.exists() and unrelated.exists()
+    assert not killed.exists()
+    assert unrelated.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "iter_0000005",
         "iter_0000007.notes",
@@ -313,7 +320,7 @@ def test_publishing_removes_what_killed_saves_left(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, partial",
+    ("name", "partial"),
     [
         ("iter_0000005.tmp-0123abcd", True),
         ("iter_0000005", False),

@@ -293,11 +293,13 @@ def test_torchrun_ranks_derive_one_seed_from_their_run(pytester):
         config = pytester.parseconfig("-p", "randomly")
         seeds.append(coexist.agree_randomly_seed(config, _torchrun(rank)))
         assert config.option.randomly_seed == seeds[-1]  # what pytest-randomly's configure then uses
-    assert seeds[0] == seeds[1] and isinstance(seeds[0], int)
+    assert seeds[0] == seeds[1]
+    assert isinstance(seeds[0], int)
     other = coexist.agree_randomly_seed(pytester.parseconfig("-p", "randomly"), _torchrun(0, run_id="run-b"))
     assert other != seeds[0]  # a new run, a new order (as pytest-randomly's own default)
     given = pytester.parseconfig("-p", "randomly", "--randomly-seed=7")
-    assert coexist.agree_randomly_seed(given, _torchrun(0)) is None and given.option.randomly_seed == 7
+    assert coexist.agree_randomly_seed(given, _torchrun(0)) is None
+    assert given.option.randomly_seed == 7
     assert coexist.agree_randomly_seed(pytester.parseconfig("-p", "no:randomly"), _torchrun(0)) is None
 
 
@@ -324,8 +326,10 @@ def test_pytest_covs_measurement_is_handed_to_the_rank_sets(monkeypatch, tmp_pat
     from coverage.config import CoverageConfig
 
     handed = CoverageConfig.deserialize(env["COVERAGE_PROCESS_CONFIG"])
-    assert handed.parallel is True and measurement.config.parallel is False  # the parent's untouched
-    assert handed.branch is True and handed.source == ["mypkg"]
+    assert handed.parallel is True
+    assert measurement.config.parallel is False  # the parent's untouched
+    assert handed.branch is True
+    assert handed.source == ["mypkg"]
     assert handed.data_file == str(tmp_path / ".coverage")
     # coverage's own subprocess patch already hands it on: nothing to add
     monkeypatch.setenv("COVERAGE_PROCESS_CONFIG", "x")

@@ -96,7 +96,8 @@ def test_distributed_optimizer_is_forced_on_with_a_message():
     cfg = fsdp()
     cfg.ddp.use_distributed_optimizer = False
     (message,) = validate(cfg, 2, NO_ENV)
-    assert "ddp.use_distributed_optimizer=False" in message and "switching it on" in message
+    assert "ddp.use_distributed_optimizer=False" in message
+    assert "switching it on" in message
 
 
 @pytest.mark.parametrize("which", ["save", "load"])
@@ -113,7 +114,8 @@ def test_save_or_load_requires_fsdp_dtensor(which):
 def test_other_formats_are_refused_with_megatron_fsdp_even_without_save_or_load(fmt):
     cfg = fsdp()
     cfg.checkpoint.ckpt_format = fmt
-    assert not cfg.checkpoint.save and not cfg.checkpoint.load
+    assert not cfg.checkpoint.save
+    assert not cfg.checkpoint.load
     rejects(
         cfg, f"checkpoint.ckpt_format={fmt!r} with Megatron-FSDP", "set checkpoint.ckpt_format='fsdp_dtensor'"
     )
@@ -149,7 +151,9 @@ def test_tp_or_cp_above_1_with_fsdp_warns_about_cuda_device_max_connections(fiel
     cfg = fsdp()
     setattr(cfg.model, field, 2)
     (message,) = validate(cfg, 2, {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
-    assert f"model.{field}=2" in message and "CUDA_DEVICE_MAX_CONNECTIONS" in message and "'8'" in message
+    assert f"model.{field}=2" in message
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" in message
+    assert "'8'" in message
 
 
 def test_tp_pp_dp_mapping_is_unsupported_with_fsdp():
@@ -217,7 +221,7 @@ def test_world_size_must_be_divisible_by_model_parallel_size():
 
 
 @pytest.mark.parametrize(
-    "dotted, value, fragment",
+    ("dotted", "value", "fragment"),
     [
         ("ddp.data_parallel_sharding_strategy", "zero3", "choose one of: no_shard, optim"),
         ("checkpoint.ckpt_format", "pickle", "choose one of: fsdp_dtensor"),
@@ -319,7 +323,8 @@ def test_checkpoint_format_fixup_switches_torch_dist_with_a_message():
     before = cfg.copy()
     message = fix_checkpoint_format(cfg)
     assert changed(before, cfg) == {"checkpoint.ckpt_format": "fsdp_dtensor"}
-    assert message is not None and "'torch_dist' -> 'fsdp_dtensor'" in message
+    assert message is not None
+    assert "'torch_dist' -> 'fsdp_dtensor'" in message
     assert validate(cfg, 2, NO_ENV) == []
 
 
@@ -348,7 +353,7 @@ def test_checkpoint_format_fixup_leaves_other_configs_alone(case):
 
 
 @pytest.mark.parametrize(
-    "assignment, dotted, expected",
+    ("assignment", "dotted", "expected"),
     [
         ("ddp.overlap_grad_reduce=false", "ddp.overlap_grad_reduce", False),
         ("ddp.bucket_size=40000000", "ddp.bucket_size", 40000000),
@@ -364,7 +369,8 @@ def test_assign_parses_by_the_field_type(assignment, dotted, expected):
     cfg = RunConfig()
     cfg.assign(assignment)
     value = flat(cfg)[dotted]
-    assert value == expected and type(value) is type(expected)
+    assert value == expected
+    assert type(value) is type(expected)
 
 
 def test_assign_puts_megatron_fields_in_extra_and_overrides():
@@ -378,7 +384,7 @@ def test_assign_puts_megatron_fields_in_extra_and_overrides():
 
 
 @pytest.mark.parametrize(
-    "assignment, message",
+    ("assignment", "message"),
     [
         (
             "ddp.overlap_grad_reduce=maybe",

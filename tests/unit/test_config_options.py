@@ -16,7 +16,7 @@ SHOW = (
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    ("args", "message"),
     [
         (
             ["--mfsdp-set=ddp.overlap_grad_reducee=true"],
@@ -67,11 +67,13 @@ def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
     pytester.makeconftest(SHOW)
     pytester.makepyfile("def test_x(): pass")
     out = str(pytester.runpytest_inprocess("-s").stdout)
-    assert "SET ['train.seed=1', 'train.train_iters=5']" in out and "USE False" in out
+    assert "SET ['train.seed=1', 'train.train_iters=5']" in out
+    assert "USE False" in out
     monkeypatch.setenv("MFSDP_SET", "train.seed=2; ddp.overlap_param_gather=false")
     monkeypatch.setenv("MFSDP_USE_MEGATRON_FSDP", "true")
     out = str(pytester.runpytest_inprocess("-s").stdout)
-    assert "SET ['train.seed=2', 'ddp.overlap_param_gather=false']" in out and "USE True" in out
+    assert "SET ['train.seed=2', 'ddp.overlap_param_gather=false']" in out
+    assert "USE True" in out
     out = str(
         pytester.runpytest_inprocess(
             "-s",
@@ -81,7 +83,8 @@ def test_precedence_cli_over_env_over_ini(pytester, monkeypatch):
             "--mfsdp-use-megatron-fsdp=false",
         ).stdout
     )
-    assert "SET ['train.seed=3', 'optimizer.lr=0.1']" in out and "USE False" in out
+    assert "SET ['train.seed=3', 'optimizer.lr=0.1']" in out
+    assert "USE False" in out
 
 
 def test_marker_wins_over_the_command_line(pytester):
@@ -105,7 +108,8 @@ def test_defaults_keep_megatron_fsdp_on_and_set_nothing(pytester):
     pytester.makeconftest(SHOW)
     pytester.makepyfile("def test_x(): pass")
     out = str(pytester.runpytest_inprocess("-s").stdout)
-    assert "SET []" in out and "USE True" in out
+    assert "SET []" in out
+    assert "USE True" in out
 
 
 DISTRIBUTED_TEST = (
@@ -114,7 +118,7 @@ DISTRIBUTED_TEST = (
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    ("args", "message"),
     [
         (
             ["--mfsdp-set", "ddp.data_parallel_sharding_strategy=bogus"],

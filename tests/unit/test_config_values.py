@@ -29,7 +29,7 @@ def refusal(cfg: RunConfig) -> str:
 
 
 @pytest.mark.parametrize(
-    "assignments, fragments",
+    ("assignments", "fragments"),
     [
         (["ddp.outer_dp_sharding_strategy=optim_grads"], ["choose one of: no_shard, optim"]),
         (["ddp.bucket_size=0"], ["ddp.bucket_size=0 must be at least 1"]),
@@ -157,7 +157,8 @@ def test_recipe_fields_left_unset_take_the_presets_and_set_ones_win():
     cfg.assign("scheduler.lr_decay_style=linear")
     recipe = cfg.resolved_recipe()
     assert (recipe.clip_grad, recipe.lr_decay_style) == (0.5, "linear")
-    assert recipe.lr == 3e-3 and recipe.lr_warmup_iters == 2  # the rest stays the preset's
+    assert recipe.lr == 3e-3
+    assert recipe.lr_warmup_iters == 2  # the rest stays the preset's
     assert cfg.resolved_preset().recipe == recipe
 
 

@@ -155,7 +155,7 @@ def test_a_test_that_finishes_passes_its_reports_on_in_order():
 
 
 @pytest.mark.parametrize(
-    "before_death, reported, charged_to",
+    ("before_death", "reported", "charged_to"),
     [
         ([], [], "setup"),  # died while starting: the test never began
         ([Collected(nodeids=[NODEID])], [], "setup"),
@@ -193,7 +193,7 @@ def test_the_last_events_arriving_with_the_exit_are_not_a_death():
 
 
 @pytest.mark.parametrize(
-    "events, message",
+    ("events", "message"),
     [
         (
             [Collected(nodeids=["test_x.py::test_other"])],
@@ -255,7 +255,7 @@ def test_the_root_cause_rank_comes_first_and_the_others_as_stopped_by_torchrun()
 
 
 @pytest.mark.parametrize(
-    "post_mortem, first_lines",
+    ("post_mortem", "first_lines"),
     [
         # no root cause named: the lowest rank first
         (
@@ -349,7 +349,7 @@ def test_a_timeout_lists_the_collectives_section():
 
 
 @pytest.mark.parametrize(
-    "log, excerpt",
+    ("log", "excerpt"),
     [
         ("a\nSTART t1\nb\nSTART t2\nc\nMFSDP-TIMEOUT t2\nstack\n", "MFSDP-TIMEOUT t2\nstack"),
         ("START t1\nFatal Python error: Aborted\nThread 0x1\n", "Fatal Python error: Aborted\nThread 0x1"),
@@ -366,7 +366,7 @@ def test_a_rank_log_excerpt_starts_where_the_log_explains_the_end(log, excerpt):
 
 
 @pytest.mark.parametrize(
-    "post_mortem, note",
+    ("post_mortem", "note"),
     [
         # a batch with failures: pytest exits 1 on a rank, torchrun stops the other: no note
         (PostMortem(2, 1, exits={0: 1, 1: -15}), ""),
@@ -452,8 +452,10 @@ def test_tests_needing_more_gpus_than_visible_are_skipped_with_the_reason(monkey
     assert lines[0] == "world_size=2 -> platform=cuda, backend=nccl (requested)"
     assert lines[1].startswith("world_size=4: skipped (--mfsdp-platform=cuda needs one GPU per local rank")
     reason = "needs 4 GPUs (world_size=4, --mfsdp-platform=cuda); 2 visible"
-    assert big.stash[ctl.UNHOSTABLE] == reason and [m.kwargs for m in big.markers] == [{"reason": reason}]
-    assert ctl.UNHOSTABLE not in small.stash and small.markers == []
+    assert big.stash[ctl.UNHOSTABLE] == reason
+    assert [m.kwargs for m in big.markers] == [{"reason": reason}]
+    assert ctl.UNHOSTABLE not in small.stash
+    assert small.markers == []
 
 
 def test_asking_for_cuda_with_no_gpu_at_all_is_a_usage_error(monkeypatch):
@@ -479,7 +481,8 @@ def test_asking_for_cuda_with_no_gpu_at_all_is_a_usage_error(monkeypatch):
 )
 def test_every_event_crosses_the_wire_as_itself(event):
     line = protocol.encode_event(event)
-    assert line.endswith("\n") and line.count("\n") == 1
+    assert line.endswith("\n")
+    assert line.count("\n") == 1
     assert protocol.decode_event(line.encode()) == event
 
 
@@ -521,7 +524,8 @@ def test_a_phase_failing_on_one_rank_fails_on_all_with_that_ranks_text():
         }
     )
     assert _outcomes(merged) == [("setup", "passed"), ("call", "failed"), ("teardown", "passed")]
-    assert "call failed here" in merged[1].longreprtext and "rank 1" in merged[1].longreprtext
+    assert "call failed here" in merged[1].longreprtext
+    assert "rank 1" in merged[1].longreprtext
 
 
 def test_a_skip_on_some_ranks_is_a_skip_everywhere_naming_them():

@@ -29,4 +29,5 @@ def test_save_coverage_imports_nothing_and_saves_a_running_measurement(monkeypat
             saved.append("saved")
 
     monkeypatch.setattr(coverage.Coverage, "current", classmethod(lambda cls: Running()))
-    assert save_coverage() is True and saved == ["saved"]
+    assert save_coverage() is True
+    assert saved == ["saved"]

@@ -90,7 +90,8 @@ def test_streams_and_events_are_complete_no_ops(emulation):
     event = torch.cuda.Event(enable_timing=True)
     event.record(stream)
     event.wait(stream)
-    assert event.query() and stream.query()
+    assert event.query()
+    assert stream.query()
     with torch.cuda.stream(stream) as entered:
         assert entered is stream
         x = torch.ones(3) * 2  # work inside the context runs, in order, on the CPU
@@ -143,7 +144,8 @@ def test_cuda_tensor_requests_land_on_cpu(emulation, make):
 
 def test_cpu_and_dtype_arguments_pass_through(emulation):
     t = torch.ones(2).to(torch.float64)
-    assert t.dtype == torch.float64 and t.device.type == "cpu"
+    assert t.dtype == torch.float64
+    assert t.device.type == "cpu"
     assert torch.zeros(1, device="cpu").device.type == "cpu"
 
 

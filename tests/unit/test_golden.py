@@ -76,7 +76,8 @@ def test_a_record_becomes_megatron_lms_format():
 def test_later_runs_get_numbered_metrics_and_non_finite_values_strings():
     doc = golden.golden_values([_record(steps=2), _record(steps=2, losses=[math.nan, math.inf])])
     assert doc["run2/lm loss"]["values"] == {"1": "nan", "2": "inf"}
-    assert "run2/num-zeros" in doc and "run3/lm loss" not in doc
+    assert "run2/num-zeros" in doc
+    assert "run3/lm loss" not in doc
     json.loads(golden.dumps(doc))  # allow_nan=False would have raised
 
 
@@ -91,7 +92,7 @@ def test_file_names_come_from_the_node_id():
 
 
 @pytest.mark.parametrize(
-    "document, message",
+    ("document", "message"),
     [
         ([], "expected an object of metrics"),
         ({"lm loss": {"start_step": 1, "end_step": 1, "step_interval": 1}}, "'lm loss' has no 'values'"),
@@ -105,7 +106,8 @@ def test_a_malformed_golden_file_is_named_with_its_field(tmp_path, document, mes
     path.write_text(json.dumps(document))
     with pytest.raises(golden.GoldenFileError) as raised:
         golden.load(path)
-    assert str(raised.value).startswith(f"{path}: ") and message in str(raised.value)
+    assert str(raised.value).startswith(f"{path}: ")
+    assert message in str(raised.value)
 
 
 # -- exact (CPU ranks) --------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ def test_non_finite_values_compare_as_megatron_lm_does():
 
 
 @pytest.mark.parametrize(
-    "metric, rtol", [("lm loss", 0.05), ("num-zeros", 0.20), ("mem-allocated-bytes", 0.05)]
+    ("metric", "rtol"), [("lm loss", 0.05), ("num-zeros", 0.20), ("mem-allocated-bytes", 0.05)]
 )
 def test_approximate_tolerances_are_megatron_lms(metric, rtol):
     # every step off (N=10: one failing step allowed), just inside and just outside rtol
@@ -215,13 +217,13 @@ def test_approximate_tolerances_are_megatron_lms(metric, rtol):
 
 
 @pytest.mark.parametrize(
-    "steps, allowed", [(1, 1), (99, 1), (100, 1), (199, 1), (200, 2), (4999, 49), (5000, 50), (9000, 50)]
+    ("steps", "allowed"), [(1, 1), (99, 1), (100, 1), (199, 1), (200, 2), (4999, 49), (5000, 50), (9000, 50)]
 )
 def test_allowed_failing_steps(steps, allowed):
     assert golden.allowed_failing_steps(steps) == allowed
 
 
-@pytest.mark.parametrize("steps, allowed", [(50, 1), (200, 2), (5100, 50)])
+@pytest.mark.parametrize(("steps", "allowed"), [(50, 1), (200, 2), (5100, 50)])
 def test_the_allowed_failing_steps_rule_at_its_edge(steps, allowed):
     expected = _doc(steps, "lm loss", 2.0)
 
@@ -256,7 +258,7 @@ def test_iteration_time_compares_the_medians_of_the_steady_window():
 
 
 @pytest.mark.parametrize(
-    "golden_steps, chosen",
+    ("golden_steps", "chosen"),
     [
         (range(1, 21), list(range(5, 21))),
         (range(1, 51), list(range(30, 46))),  # longer than 25 steps: 30-45
@@ -326,7 +328,7 @@ def test_trains(megatron_fsdp_run, run_config):
 
 
 @pytest.mark.parametrize(
-    "how, source",
+    ("how", "source"),
     [("flag", "--mfsdp-golden=nowhere"), ("env", "environment variable MFSDP_GOLDEN=nowhere")],
 )
 def test_compare_mode_without_the_directory_is_one_usage_line(

@@ -84,7 +84,7 @@ def test_v2_checkpoint_save_is_refused_before_the_disk(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "pattern, layers, problem",
+    ("pattern", "layers", "problem"),
     [
         (
             "*-M-",

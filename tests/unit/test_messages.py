@@ -36,7 +36,8 @@ def test_an_error_every_rank_raised_alike_is_shown_once_with_every_log():
     assert lines[0] == "failed on ranks 0, 1 (same error)"
     assert lines[1] == "---------- ranks 0, 1 (logs: /logs/rank0.log, /logs/rank1.log) ----------"
     assert text.count("E       AssertionError: the loss is 4.2") == 1
-    assert "DistEnv(rank=0" in text and "DistEnv(rank=1" not in text  # rank 0's own traceback
+    assert "DistEnv(rank=0" in text
+    assert "DistEnv(rank=1" not in text  # rank 0's own traceback
 
 
 def test_different_errors_are_each_shown_under_their_ranks():
@@ -65,7 +66,8 @@ def test_one_failing_rank_reads_as_before():
 
 def test_the_error_signature_is_the_exception_and_where_it_was_raised():
     a, b = TRACEBACK.format(rank=0, address="aa"), TRACEBACK.format(rank=1, address="bb")
-    assert a != b and error_signature(a) == error_signature(b)
+    assert a != b
+    assert error_signature(a) == error_signature(b)
     assert error_signature(a) == "E       AssertionError: the loss is 4.2\ntest_x.py:9: AssertionError"
     assert error_signature(a.replace("test_x.py:9", "test_x.py:10")) != error_signature(a)
     # without pytest's E-lines (--tb=native): the whole text, addresses masked

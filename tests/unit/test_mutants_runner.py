@@ -128,4 +128,5 @@ def test_a_probe_that_kills_decides_and_one_that_passes_leaves_the_verdict_to_th
     assert calls[1] == ["suite"]
     calls.clear()
     verdict = run.judge(probed, ["suite"], runs(("survived", None, None, 5.0)), use_probe=False)
-    assert verdict == ("survived", None, None, 5.0, None) and calls == [["suite"]]
+    assert verdict == ("survived", None, None, 5.0, None)
+    assert calls == [["suite"]]

@@ -113,7 +113,8 @@ def test_the_chain_runs_as_declared_other_plugins_settings_included(pytester, mo
         assert setting.value == expected, (name, sources[first:])
         seen.append(setting.source)
         spec = marker.parse(item)
-        assert spec is not None and (spec.timeout_s if name == "timeout" else spec.reruns) == expected
+        assert spec is not None
+        assert (spec.timeout_s if name == "timeout" else spec.reruns) == expected
         if name == "timeout":
             assert spec.timeout_source == setting.source
     assert seen == OPTIONS[name].chain_labels()

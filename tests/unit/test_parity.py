@@ -36,7 +36,10 @@ def test_the_ddp_baseline_is_a_valid_megatron_ddp_copy_of_the_config():
     cfg = enable_megatron_fsdp(RunConfig())
     cfg.ddp.overlap_param_gather = True
     base = ddp_baseline(cfg)
-    assert cfg.uses_megatron_fsdp and cfg.ddp.overlap_param_gather  # the original is untouched
-    assert not base.uses_megatron_fsdp and not base.ddp.use_megatron_fsdp
-    assert not base.ddp.use_distributed_optimizer and not base.ddp.overlap_param_gather
+    assert cfg.uses_megatron_fsdp
+    assert cfg.ddp.overlap_param_gather  # the original is untouched
+    assert not base.uses_megatron_fsdp
+    assert not base.ddp.use_megatron_fsdp
+    assert not base.ddp.use_distributed_optimizer
+    assert not base.ddp.overlap_param_gather
     validate(base, world_size=2)

@@ -7,7 +7,7 @@ import pytest
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    ("args", "message"),
     [
         (
             ["--mfsdp-preset=huge"],

@@ -176,7 +176,8 @@ def test_no_dumps_is_one_line_saying_where_it_looked(tmp_path, capsys):
     run_dir.mkdir()
     (run_dir / "rank0.log").write_text("")
     code, out = cli("collectives", str(tmp_path))
-    assert code == 1 and out == ""
+    assert code == 1
+    assert out == ""
     assert capsys.readouterr().err == (
         f"python -m pytest_megatron_fsdp collectives: no flight-recorder dumps under {tmp_path}\n"
     )
@@ -205,7 +206,8 @@ def test_a_missing_dump_asks_torchfrtrace_for_a_partial_analysis(tmp_path):
 def test_no_dumps_no_commands(tmp_path):
     (tmp_path / "rank0.log").write_text("")
     text = controller._death(PostMortem(2, -9, log_dir=tmp_path, timed_out=[0, 1]), 6.0, killed_after=6.0)
-    assert "pytest_megatron_fsdp collectives" not in text and "torchfrtrace" not in text
+    assert "pytest_megatron_fsdp collectives" not in text
+    assert "torchfrtrace" not in text
 
 
 def test_dump_names_are_what_torchfrtrace_parses(tmp_path):
@@ -276,7 +278,8 @@ def test_stacks_of_faulthandlers_own_watchdog_say_why(tmp_path):
     code, out = cli("stacks", str(tmp_path))
     assert code == 0, out
     lines = out.splitlines()
-    assert lines[2].startswith("  Timeout (0:00:00") and lines[3].startswith("  Thread 0x"), out
+    assert lines[2].startswith("  Timeout (0:00:00"), out
+    assert lines[3].startswith("  Thread 0x"), out
 
 
 def test_the_timeout_banner_is_the_harness_one():
@@ -300,7 +303,8 @@ def test_report_is_the_sessions_table_and_a_loss_plot(tmp_path):
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0].startswith(f"{tmp_path / 'r.json'}: 2 runs, plain mode, written ")
-    assert "t.py::test_a" in lines and "t.py::test_nan" in lines
+    assert "t.py::test_a" in lines
+    assert "t.py::test_nan" in lines
     assert any("10.0000 → 7.0000" in line for line in lines)
     assert "  checkpoint: 2.0 KiB, save 0.500 s, load 0.250 s" in lines
     plot = lines[lines.index("lm loss per iteration: t.py::test_a (optim_grads_params, tiny)") + 1 :]
@@ -314,10 +318,12 @@ def test_report_is_the_sessions_table_and_a_loss_plot(tmp_path):
 def test_report_plot_is_optional_and_a_png_is_written_with_matplotlib(tmp_path):
     write_json(tmp_path / "r.json", report_document([_record("t.py::test_a", [3.0, 2.0])], "torchrun"))
     code, out = cli("report", str(tmp_path / "r.json"), "--no-plot")
-    assert code == 0 and "lm loss per iteration" not in out
+    assert code == 0
+    assert "lm loss per iteration" not in out
     pytest.importorskip("matplotlib")
     code, out = cli("report", str(tmp_path / "r.json"), "--png", str(tmp_path / "loss.png"))
-    assert code == 0 and f"loss plot: {tmp_path / 'loss.png'}" in out
+    assert code == 0
+    assert f"loss plot: {tmp_path / 'loss.png'}" in out
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -354,14 +360,17 @@ def test_show_prints_the_last_failed_tests_part_of_every_rank_log(tmp_path, caps
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0] == f"t.py::test_bad in {run_dir}"
-    assert "AssertionError: rank 1 says no" in lines and "AssertionError: rank 0 says no" in lines
+    assert "AssertionError: rank 1 says no" in lines
+    assert "AssertionError: rank 0 says no" in lines
     # the last of the failed tests (test_early failed too), and only its part of the logs
     assert not any(name in line for line in lines[1:] for name in ("test_after", "test_ok", "test_early"))
     assert lines[-1] == f"torchrun's output: {run_dir / 'torchrun.log'}"
     code, out = cli("show", "test_ok", "--log-dir", str(run_dir))
-    assert code == 0 and out.splitlines()[0] == f"t.py::test_ok in {run_dir} (no failure recorded)"
+    assert code == 0
+    assert out.splitlines()[0] == f"t.py::test_ok in {run_dir} (no failure recorded)"
     code, out = cli("show", "t.py::test_", "--log-dir", str(run_dir))
-    assert code == 1 and out == ""
+    assert code == 1
+    assert out == ""
     assert capsys.readouterr().err == (
         "python -m pytest_megatron_fsdp show: 't.py::test_' matches 2 tests: "
         "t.py::test_early, t.py::test_bad\n"

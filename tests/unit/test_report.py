@@ -48,7 +48,8 @@ def test_downsampled_sparkline_keeps_a_lone_nan_visible():
     values[57] = NAN
     line = sparkline(values, width=20)
     assert len(line) == 20
-    assert line.count(NAN_MARK) == 1 and line.index(NAN_MARK) == 57 * 20 // 100
+    assert line.count(NAN_MARK) == 1
+    assert line.index(NAN_MARK) == 57 * 20 // 100
 
 
 def test_table_shows_each_test_with_its_figures_and_nan_visibly():
@@ -63,7 +64,9 @@ def test_table_shows_each_test_with_its_figures_and_nan_visibly():
         assert cell in row, (cell, row)
     assert "max RSS" in row
     bad_row = lines[lines.index("t.py::test_bad") + 2]
-    assert "4.9000 → NaN" in bad_row and NAN_MARK * 2 in bad_row and " NaN " in bad_row
+    assert "4.9000 → NaN" in bad_row
+    assert NAN_MARK * 2 in bad_row
+    assert " NaN " in bad_row
     assert "checkpoint" not in text
 
 
@@ -83,7 +86,8 @@ def test_json_report_is_strict_json_with_nan_spelt_out_and_valid(tmp_path):
     document = json.loads(path.read_text(), parse_constant=no_bare_constants)
     validate(document)
     nan_run = document["runs"][1]
-    assert nan_run["losses"] == [4.9, "NaN"] and nan_run["last_loss"] == "NaN"
+    assert nan_run["losses"] == [4.9, "NaN"]
+    assert nan_run["last_loss"] == "NaN"
     assert document["runs"][0]["checkpoint"] == {"bytes": None, "save_s": None, "load_s": None}
     assert document["mode"] == "plain"
 
@@ -163,9 +167,12 @@ def test_quiet_summary_is_one_line_per_test():
     ]
     lines = summary_lines(runs, verbosity=-1)
     assert len(lines) == 2
-    assert lines[0].startswith("4.9000 → 4.2000  █▄▁") and lines[0].endswith("  t.py::test_one")
+    assert lines[0].startswith("4.9000 → 4.2000  █▄▁")
+    assert lines[0].endswith("  t.py::test_one")
     assert lines[1].endswith("  t.py::test_two_with_a_longer_name")
-    assert "optim_grads_params +1 run" in lines[1] and "4.9000 → NaN" in lines[1] and NAN_MARK in lines[1]
+    assert "optim_grads_params +1 run" in lines[1]
+    assert "4.9000 → NaN" in lines[1]
+    assert NAN_MARK in lines[1]
     assert lines[0].index("ms/step") == lines[1].index("ms/step")  # figures aligned, ids last
     assert "max RSS" not in "\n".join(lines)  # details stay in the tables
 
@@ -175,7 +182,8 @@ def test_default_summary_is_the_table_and_verbose_adds_grad_norms():
     assert summary_lines(runs, verbosity=0) == table_lines(runs)
     plain, verbose = table_lines(runs), summary_lines(runs, verbosity=1)
     assert "grad norm" not in "\n".join(plain)
-    assert "grad norm first → last" in verbose[1] and "2.000 → 0.500" in verbose[2]
+    assert "grad norm first → last" in verbose[1]
+    assert "2.000 → 0.500" in verbose[2]
     assert sparkline([2.0, 1.0, 0.5]) in verbose[2].split("2.000 → 0.500")[1]  # the norm's own curve
     assert "2/2" in verbose[2]
 
@@ -255,5 +263,5 @@ def test_plot_png_holds_every_legend_label(tmp_path):
         import matplotlib.pyplot as plt
 
         plt.close(fig)
-    height, width = image.imread(path).shape[:2]
+    _height, width = image.imread(path).shape[:2]
     assert width / 100 >= label_right - tight.x0 - 0.05  # the saved PNG (dpi 100) reaches the label's end

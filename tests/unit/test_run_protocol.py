@@ -98,9 +98,12 @@ def _class_provides(relative: str, class_name: str) -> set[str]:
     for node in ast.walk(cls):
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
-                    if target.value.id == "self":
-                        names.add(target.attr)
+                if (
+                    isinstance(target, ast.Attribute)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == "self"
+                ):
+                    names.add(target.attr)
     return names
 
 
@@ -183,7 +186,8 @@ def test_close_releases_every_reference_it_names_and_frees_the_model():
     run.close()
     assert (run.model, run.optimizer, run.scheduler) == (None, None, None)
     gc.collect()
-    assert model() is None and optimizer() is None  # the hooks' cycle is broken
+    assert model() is None
+    assert optimizer() is None  # the hooks' cycle is broken
     run.close()  # again: a no-op
 
 

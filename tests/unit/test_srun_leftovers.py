@@ -36,8 +36,7 @@ def test_dead_owners_dirs_go_live_and_foreign_ones_stay(tmp_path):
         removed = owned_temp.sweep([tmp_path])
         assert sorted(removed) == sorted([dead_rank, dead_session])
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-            p.name
-            for p in (alive, other_host, other_namespace, unrelated) + (tmp_path / os.path.basename(mine),)
+            p.name for p in (alive, other_host, other_namespace, unrelated, tmp_path / os.path.basename(mine))
         )
     finally:
         live.kill()

@@ -10,7 +10,7 @@ from pytest_megatron_fsdp.harness import slurm
 
 
 @pytest.mark.parametrize(
-    "text, hosts",
+    ("text", "hosts"),
     [
         ("node01", ["node01"]),
         ("localhost,127.0.0.1", ["localhost", "127.0.0.1"]),
@@ -28,7 +28,7 @@ def test_host_lists_expand_in_order(text, hosts):
 
 
 @pytest.mark.parametrize(
-    "text, problem",
+    ("text", "problem"),
     [
         ("node[01-03", "unbalanced '['"),
         ("node01]", "unbalanced ']'"),
@@ -43,7 +43,7 @@ def test_malformed_host_lists_are_named(text, problem):
 
 
 @pytest.mark.parametrize(
-    "text, counts",
+    ("text", "counts"),
     [("2", [2]), ("2(x3),1", [2, 2, 2, 1]), ("4,2(x2)", [4, 2, 2]), ("1(x1)", [1])],
 )
 def test_tasks_per_node_expand(text, counts):
@@ -60,7 +60,8 @@ def test_the_derived_port_is_in_its_documented_range_and_shared_by_the_job():
     assert slurm.port_for_job("40000") == 20000  # wraps
     assert slurm.port_for_job("123_4") == 20123  # an array task's id form: the digits before "_"
     ports = {slurm.port_for_job(str(job)) for job in range(0, 100000, 7)}
-    assert min(ports) >= slurm.PORT_BASE and max(ports) < slurm.PORT_BASE + slurm.PORT_SPAN < 32768
+    assert min(ports) >= slurm.PORT_BASE
+    assert max(ports) < slurm.PORT_BASE + slurm.PORT_SPAN < 32768
     with pytest.raises(slurm.SlurmError, match="set MASTER_PORT"):
         slurm.port_for_job("abc")
 
@@ -104,7 +105,7 @@ def test_master_addr_and_port_given_win():
 
 
 @pytest.mark.parametrize(
-    "overrides, local_world_size, addr",
+    ("overrides", "local_world_size", "addr"),
     [
         # no step-specific lists: the job's (srun copies the step's into these too)
         ({"SLURM_STEP_TASKS_PER_NODE": None, "SLURM_TASKS_PER_NODE": "1,3"}, 3, "gpu07"),
@@ -145,7 +146,7 @@ def test_outside_a_multi_task_step_nothing_is_mapped(environ):
 
 
 @pytest.mark.parametrize(
-    "overrides, message",
+    ("overrides", "message"),
     [
         ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not a whole number"),
         ({"SLURM_PROCID": "4"}, "SLURM_PROCID=4 is not below SLURM_STEP_NUM_TASKS=4"),

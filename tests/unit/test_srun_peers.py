@@ -164,7 +164,7 @@ def _raise(error: Exception):
 
 
 @pytest.mark.parametrize(
-    "init, error",
+    ("init", "error"),
     [
         (lambda: None, r"DistStoreError: .*wait timeout"),  # rank 1 never has its group
         (_raise(RuntimeError("Connection closed by peer")), r"RuntimeError: Connection closed by peer$"),

@@ -82,7 +82,8 @@ def test_the_fixture_adds_the_tests_own_choices(pytester):
 def test_megatron_ddp_on_cpu_ranks_goes_without_the_distributed_optimizer():
     cpu = starting_config("cpu", use_megatron_fsdp=False)
     cuda = starting_config("cuda", use_megatron_fsdp=False)
-    assert not cpu.uses_megatron_fsdp and not cuda.uses_megatron_fsdp
+    assert not cpu.uses_megatron_fsdp
+    assert not cuda.uses_megatron_fsdp
     assert (cpu.ddp.use_distributed_optimizer, cpu.ddp.overlap_param_gather) == (False, False)
     assert cuda.ddp.use_distributed_optimizer is RunConfig().ddp.use_distributed_optimizer is True
     # the baseline goes without it on every platform

@@ -28,7 +28,7 @@ EXPECTED = [
 ]
 
 
-@pytest.mark.parametrize("bug, present, absent", EXPECTED, ids=lambda v: getattr(v, "reason", "")[:40])
+@pytest.mark.parametrize(("bug", "present", "absent"), EXPECTED, ids=lambda v: getattr(v, "reason", "")[:40])
 def test_known_bug_ranges(bug, present, absent):
     assert [bug.present(v) for v in present] == [True] * len(present)
     assert [bug.present(v) for v in absent] == [False] * len(absent)
@@ -42,7 +42,8 @@ def test_versions_order_as_pep_440_with_pre_dev_and_local_releases():
     assert parse("0.20.0.dev1") < parse("0.20.0a1") < parse("0.20.0rc0") < parse("0.20.0rc10")
     assert parse("0.20.0") < parse("0.20.0+d98e8a6") < parse("0.20.0.post1") < parse("0.20.1rc0")
     assert parse("0.20.0+d98e8a6").public == "0.20.0"
-    assert parse("not installed") is None and parse("main") is None
+    assert parse("not installed") is None
+    assert parse("main") is None
     assert str(versions.megatron_core_version()) == versions.package_version("megatron-core")
 
 
@@ -65,7 +66,7 @@ EDGES = [
 ]
 
 
-@pytest.mark.parametrize("version, has_it", EDGES)
+@pytest.mark.parametrize(("version", "has_it"), EDGES)
 def test_a_range_at_its_edges(version, has_it):
     bug = versions.KnownBug("upstream bug (PR #1)", first="0.19", fixed_in="0.20.0")
     assert bug.present(version) is has_it
@@ -85,8 +86,11 @@ def test_a_fix_first_seen_in_a_pre_release_covers_the_later_ones():
 
 def test_an_unfixed_bug_and_a_missing_or_unversioned_package():
     bug = versions.KnownBug("upstream bug (PR #1)", fixed_in=None, first="0.16")
-    assert bug.present("0.16.0") and bug.present("99.0") and not bug.present("0.15.9")
-    assert not bug.present("not installed") and not bug.present("main")
+    assert bug.present("0.16.0")
+    assert bug.present("99.0")
+    assert not bug.present("0.15.9")
+    assert not bug.present("not installed")
+    assert not bug.present("main")
     missing = versions.KnownBug("upstream bug (PR #1)", fixed_in=None, package="no-such-distribution-here")
     assert not missing.present()
 
@@ -101,7 +105,8 @@ def test_a_registry_entry_with_a_malformed_version_fails_at_import():
 def test_tensor_parallel_bug_needs_a_missing_transformer_engine(monkeypatch):
     bug = versions.TENSOR_PARALLEL_WITHOUT_TE
     monkeypatch.setattr(versions, "transformer_engine_available", lambda: False)
-    assert bug.present("0.16.1") and not bug.present("0.18.0")
+    assert bug.present("0.16.1")
+    assert not bug.present("0.18.0")
     monkeypatch.setattr(versions, "transformer_engine_available", lambda: True)
     assert not bug.present("0.16.1")
 
@@ -284,7 +289,8 @@ def test_a_known_bug_that_no_longer_reproduces_says_so_and_what_to_change(monkey
     monkeypatch.setattr(versions, "package_source", lambda name: None)  # a registry release
     line = versions.no_longer_reproduces(versions.SWIGLU_HANDLER_LOOKUP)
     assert line.startswith("known bug swiglu_handler_lookup no longer reproduces with megatron-core 0.6.1: ")
-    assert "set fixed_in='0.6.1' for swiglu_handler_lookup" in line and "(now" not in line
+    assert "set fixed_in='0.6.1' for swiglu_handler_lookup" in line
+    assert "(now" not in line
     assert "\n" not in line
 
 

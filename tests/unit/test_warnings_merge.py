@@ -33,7 +33,8 @@ def test_a_category_the_parent_cannot_import_keeps_its_name_in_the_message():
     assert message.category is warnings_relay.RankWarning
     assert str(message.message) == "OddWarning: m"
     known = warnings_relay.warning_message({**data, "module": "builtins", "category": "DeprecationWarning"})
-    assert known.category is DeprecationWarning and isinstance(known.message, DeprecationWarning)
+    assert known.category is DeprecationWarning
+    assert isinstance(known.message, DeprecationWarning)
 
 
 def test_capture_hands_the_warnings_back_to_the_enclosing_recorder():

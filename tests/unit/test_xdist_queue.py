@@ -59,5 +59,6 @@ def test_the_installed_xdist_is_supported_and_has_the_layout_read():
     remote = pytest.importorskip("xdist.remote")
     assert xdist_queue.supported(xdist_queue.xdist_version()), xdist_queue.xdist_version()
     init = inspect.getsource(remote.WorkerInteractor.__init__)
-    assert "self.torun = TestQueue(" in init and "self.nextitem_index" in init
+    assert "self.torun = TestQueue(" in init
+    assert "self.nextitem_index" in init
     assert inspect.isgeneratorfunction(inspect.unwrap(remote.TestQueue.lock))
