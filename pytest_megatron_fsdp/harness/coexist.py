@@ -277,7 +277,7 @@ def rerun_filters(item: pytest.Item) -> RerunFilters:
             found[key], sources[key] = _listed(kwargs[name]), f"@pytest.mark.flaky({name}=...)"
         else:
             cli = config.getoption(name, None)
-            found[key] = tuple(cli) if cli is not None else tuple(config.getini(name) or ())
+            found[key] = tuple(cli) if cli is not None else tuple(_ini(config, name) or ())
             sources[key] = flag if cli is not None else f"ini option {name}"
     if flaky is not None:
         args = flaky.args
@@ -299,6 +299,15 @@ def rerun_filters(item: pytest.Item) -> RerunFilters:
         max_suite_reruns=config.getoption("max_suite_reruns", None),
         source=sources,
     )
+
+
+def _ini(config: pytest.Config, name: str) -> Any:
+    """pytest-rerunfailures' ini key, None where its release registers none: the ini keys came after
+    their options (``only_rerun`` and ``rerun_except`` in 16.7), and pytest refuses an unknown key."""
+    try:
+        return config.getini(name)
+    except ValueError:
+        return None
 
 
 def _float_ini(config: pytest.Config, name: str, default: float) -> float:
