@@ -55,6 +55,10 @@ _MCORE_EDITABLE := $(filter -e --editable,$(firstword $(MEGATRON_CORE)))
 _MCORE_PATH     := $(patsubst %/,%,$(if $(_MCORE_EDITABLE),$(word 2,$(MEGATRON_CORE)),$(MEGATRON_CORE)))
 _FSDP_SRC       := $(_MCORE_PATH)/megatron/core/distributed/fsdp/src
 MEGATRON_FSDP ?= $(if $(and $(_MCORE_PATH),$(filter 1,$(words $(_MCORE_PATH))),$(wildcard $(_FSDP_SRC)/pyproject.toml)),$(strip $(_MCORE_EDITABLE) $(_FSDP_SRC)))
+# A pytest requirement installed with the package, in the same resolver run, so the dev plugins come
+# in releases that accept it; empty: the newest the extras allow. CI's floor-pytest step sets
+# PYTEST_SPEC='pytest==8.0.*', the oldest pyproject.toml's dependencies declare.
+PYTEST_SPEC ?=
 VENV        ?= .venv-$(STACK)
 VENV_FLAGS  ?=
 NPROC       ?= 2
@@ -87,7 +91,7 @@ PYTEST   := $(SCRATCH) $(PY) -m pytest
 TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 # What the venv was built from: a change of any of these rebuilds the installs.
 SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) megatron-fsdp=$(MEGATRON_FSDP) \
-	extras=$(EXTRAS) flags=$(VENV_FLAGS)
+	extras=$(EXTRAS) flags=$(VENV_FLAGS)$(if $(PYTEST_SPEC), pytest=$(PYTEST_SPEC))
 
 .PHONY: venv smoke test unit integration functional e2e reproductions lint stack clean
 
@@ -102,9 +106,9 @@ venv:
 		$(PY) -m pip install -q -r $(VENV)/megatron-core.txt; \
 		echo '$(MEGATRON_FSDP)' > $(VENV)/megatron-fsdp.txt; \
 		if [ -n '$(strip $(MEGATRON_FSDP))' ]; then \
-			$(PY) -m pip install -q -r $(VENV)/megatron-fsdp.txt -e '.[$(EXTRAS)]'; \
+			$(PY) -m pip install -q -r $(VENV)/megatron-fsdp.txt -e '.[$(EXTRAS)]' $(if $(PYTEST_SPEC),'$(PYTEST_SPEC)'); \
 		else \
-			$(PY) -m pip install -q -e '.[$(EXTRAS)]'; \
+			$(PY) -m pip install -q -e '.[$(EXTRAS)]' $(if $(PYTEST_SPEC),'$(PYTEST_SPEC)'); \
 		fi; \
 		echo '$(SPEC)' > $(VENV)/.installed; \
 	fi
@@ -148,7 +152,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf .venv-newest .venv-floor .pytest_cache *.egg-info
+	rm -rf .venv-newest .venv-floor .venv-floor-pytest8 .pytest_cache *.egg-info
 
 # Regenerate docs/known-bugs.md from the known-bug registry (KNOWN_BUGS in pytest_megatron_fsdp/fsdp/versions.py);
 # tests/unit/test_docs.py fails while the page and the registry disagree.
