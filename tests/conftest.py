@@ -9,10 +9,20 @@ option inherited from the caller's shell would change what those sessions do, an
 ``BUILD_NUMBER`` (set by CI services) makes pytest print its short summary untrimmed: the sessions
 print the same on a laptop and on CI, and a test that is about CI output sets ``CI``. Each tier's
 conftest.py makes ``plain_environment`` autouse.
+
+One way to run a pytest session in a subprocess, plain (the plugin launches the rank sets) or under
+torchrun: :func:`run_pytest_session`, with the suite's isolation (a plain environment,
+pytest-randomly off, a ``$TMPDIR``, ``HOME`` and basetemp of its own, no colour, a timeout that kills
+the whole process group and fails the test) and what the session left behind (:class:`Scenario`).
+A test takes it as the ``inner_session`` fixture (a fresh directory under ``tmp_path`` each call);
+a module-scoped fixture whose one session many tests read takes ``run_scenario``. Older tests still
+call ``pytester.runpytest_subprocess`` or ``subprocess.run`` themselves; new ones use these. (The
+unit tier starts none: tests/unit/conftest.py.)
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -211,6 +221,19 @@ def run_pytest_session(
         leftovers=running_under(path),
         tmp_left=sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*")),
     )
+
+
+@pytest.fixture
+def inner_session(tmp_path: Path) -> Callable[..., Scenario]:
+    """``inner_session(files, *args, torchrun=False, nproc=2, env=None, timeout=300)``: one pytest
+    session in a subprocess, in a fresh directory under the test's ``tmp_path`` (``session0``,
+    ``session1``, ...; see :func:`run_pytest_session`)."""
+    count = itertools.count()
+
+    def run(files: Mapping[str, str], *args: str, **options: Any) -> Scenario:
+        return run_pytest_session(tmp_path / f"session{next(count)}", files, *args, **options)
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -11,12 +11,14 @@ pytest.importorskip("pytest_timeout", reason="the dev extra's pytest-timeout")
 pytest.importorskip("pytest_rerunfailures", reason="the dev extra's pytest-rerunfailures")
 
 
-def test_a_bad_pytest_timeout_marker_is_one_line(pytester):
-    pytester.makepyfile(
-        "import pytest\n@pytest.mark.distributed(world_size=1)\n@pytest.mark.timeout('soon')\n"
-        "def test_x(): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=60)
+def test_a_bad_pytest_timeout_marker_is_one_line(inner_session):
+    files = {
+        "test_a_bad_pytest_timeout_marker_is_one_line.py": (
+            "import pytest\n@pytest.mark.distributed(world_size=1)\n@pytest.mark.timeout('soon')\n"
+            "def test_x(): pass\n"
+        )
+    }
+    result = inner_session(files, "--mfsdp-platform=cpu", timeout=60).result
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert result.stderr.lines[0] == (
         "ERROR: test_a_bad_pytest_timeout_marker_is_one_line.py::test_x: @pytest.mark.timeout: invalid "
@@ -24,11 +26,9 @@ def test_a_bad_pytest_timeout_marker_is_one_line(pytester):
     ), result.stderr.lines
 
 
-def test_a_bad_only_rerun_kind_is_one_line(pytester):
-    pytester.makepyfile("def test_nothing(): pass\n")
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--mfsdp-only-rerun=assertion", timeout=60
-    )
+def test_a_bad_only_rerun_kind_is_one_line(inner_session):
+    files = {"test_a_bad_only_rerun_kind_is_one_line.py": "def test_nothing(): pass\n"}
+    result = inner_session(files, "--mfsdp-only-rerun=assertion", timeout=60).result
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert result.stderr.lines[0] == (
         "ERROR: --mfsdp-only-rerun: invalid value 'assertion' for --mfsdp-only-rerun: choose one of: "
@@ -36,15 +36,17 @@ def test_a_bad_only_rerun_kind_is_one_line(pytester):
     ), result.stderr.lines
 
 
-def test_a_flaky_condition_that_needs_the_exception_is_refused_in_one_line(pytester):
-    pytester.makepyfile(
-        "import pytest\n"
-        "@pytest.mark.distributed(world_size=1)\n"
-        "@pytest.mark.flaky(reruns=1, condition='error is not None')\ndef test_x(): pass\n"
-        "@pytest.mark.distributed(world_size=1)\n"
-        "@pytest.mark.flaky(reruns=1, condition=True)\ndef test_bool(): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=60)
+def test_a_flaky_condition_that_needs_the_exception_is_refused_in_one_line(inner_session):
+    files = {
+        "test_a_flaky_condition_that_needs_the_exception_is_refused_in_one_line.py": (
+            "import pytest\n"
+            "@pytest.mark.distributed(world_size=1)\n"
+            "@pytest.mark.flaky(reruns=1, condition='error is not None')\ndef test_x(): pass\n"
+            "@pytest.mark.distributed(world_size=1)\n"
+            "@pytest.mark.flaky(reruns=1, condition=True)\ndef test_bool(): pass\n"
+        )
+    }
+    result = inner_session(files, "--mfsdp-platform=cpu", timeout=60).result
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     line = result.stderr.lines[0]
     assert line.startswith(
