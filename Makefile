@@ -1,12 +1,16 @@
 # pytest-megatron-fsdp: `make smoke` (the functional suite on 2 ranks), `make test` (every tier but the
-# reproductions), `make unit` (the fast loop: in-process, no rank set). All create the virtualenv of
-# the chosen stack when it is missing.
+# end-to-end checks and the reproductions), `make unit` (the fast loop: in-process, no rank set). All
+# create the virtualenv of the chosen stack when it is missing.
 #
 # Test tiers (each a directory; `make <tier>` runs one):
 #   unit           tests/unit: in-process, no rank set, no pytest session in a subprocess
-#   integration    tests/integration + tests/selftest: real rank sets, pytester and torchrun sessions,
-#                  make, the wheel; INTEGRATION_WORKERS=2 pytest-xdist workers
+#   integration    tests/integration + tests/selftest: real rank sets, pytester, torchrun and srun
+#                  sessions; INTEGRATION_WORKERS=2 pytest-xdist workers
 #   functional     tests/functional: the smoke suite users run
+#   e2e            tests/e2e: what re-runs a whole suite or drives the build (the functional files
+#                  under pytest -n 2, reshards across world sizes 2/4/2/1, the wheel in a fresh venv,
+#                  make test/smoke leaving $TMPDIR clean); minutes each, so CI runs it on both stacks
+#                  and `make test` does not; INTEGRATION_WORKERS pytest-xdist workers too
 #   reproductions  tests/reproductions: upstream bugs shown with torch alone; CI runs them, `make test`
 #                  does not
 #
@@ -51,6 +55,10 @@ _MCORE_EDITABLE := $(filter -e --editable,$(firstword $(MEGATRON_CORE)))
 _MCORE_PATH     := $(patsubst %/,%,$(if $(_MCORE_EDITABLE),$(word 2,$(MEGATRON_CORE)),$(MEGATRON_CORE)))
 _FSDP_SRC       := $(_MCORE_PATH)/megatron/core/distributed/fsdp/src
 MEGATRON_FSDP ?= $(if $(and $(_MCORE_PATH),$(filter 1,$(words $(_MCORE_PATH))),$(wildcard $(_FSDP_SRC)/pyproject.toml)),$(strip $(_MCORE_EDITABLE) $(_FSDP_SRC)))
+# A pytest requirement installed with the package, in the same resolver run, so the dev plugins come
+# in releases that accept it; empty: the newest the extras allow. CI's floor-pytest step sets
+# PYTEST_SPEC='pytest==8.0.*', the oldest pyproject.toml's dependencies declare.
+PYTEST_SPEC ?=
 VENV        ?= .venv-$(STACK)
 VENV_FLAGS  ?=
 NPROC       ?= 2
@@ -60,6 +68,7 @@ UNIT          ?= tests/unit
 INTEGRATION   ?= tests/integration tests/selftest
 FUNCTIONAL    ?= tests/functional
 REPRODUCTIONS ?= tests/reproductions
+E2E           ?= tests/e2e
 # pytest-xdist workers for the integration tier (0: one process). Its sessions spend their time
 # starting processes (torch's import in every rank and torchrun agent) and waiting out timeouts, so
 # two at a time finish sooner even on 2 cores; whole files per worker (--dist loadfile), so a session
@@ -82,9 +91,9 @@ PYTEST   := $(SCRATCH) $(PY) -m pytest
 TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 # What the venv was built from: a change of any of these rebuilds the installs.
 SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) megatron-fsdp=$(MEGATRON_FSDP) \
-	extras=$(EXTRAS) flags=$(VENV_FLAGS)
+	extras=$(EXTRAS) flags=$(VENV_FLAGS)$(if $(PYTEST_SPEC), pytest=$(PYTEST_SPEC))
 
-.PHONY: venv smoke test unit integration functional reproductions lint stack clean
+.PHONY: venv smoke test unit integration functional e2e reproductions lint stack clean
 
 venv:
 	@test -n "$(PYTHON)" || { echo "make: no Python for STACK=$(STACK) (newest needs 3.12, floor 3.11); set PYTHON=..." >&2; exit 2; }
@@ -97,9 +106,9 @@ venv:
 		$(PY) -m pip install -q -r $(VENV)/megatron-core.txt; \
 		echo '$(MEGATRON_FSDP)' > $(VENV)/megatron-fsdp.txt; \
 		if [ -n '$(strip $(MEGATRON_FSDP))' ]; then \
-			$(PY) -m pip install -q -r $(VENV)/megatron-fsdp.txt -e '.[$(EXTRAS)]'; \
+			$(PY) -m pip install -q -r $(VENV)/megatron-fsdp.txt -e '.[$(EXTRAS)]' $(if $(PYTEST_SPEC),'$(PYTEST_SPEC)'); \
 		else \
-			$(PY) -m pip install -q -e '.[$(EXTRAS)]'; \
+			$(PY) -m pip install -q -e '.[$(EXTRAS)]' $(if $(PYTEST_SPEC),'$(PYTEST_SPEC)'); \
 		fi; \
 		echo '$(SPEC)' > $(VENV)/.installed; \
 	fi
@@ -115,7 +124,7 @@ smoke: venv
 
 # The unit, integration and functional tiers, fastest first, each a plain pytest session (the plugin
 # launches the rank sets itself), then the seed's smoke test once more under torchrun, the way GPU
-# runners launch it.
+# runners launch it. Not the e2e tier (`make e2e`, CI) nor the reproductions.
 test: venv
 	$(if $(strip $(UNIT)),$(PYTEST) $(UNIT) $(PYTEST_ARGS))
 	$(if $(strip $(INTEGRATION)),$(PYTEST) $(INTEGRATION) $(INTEGRATION_XDIST) $(PYTEST_ARGS))
@@ -134,13 +143,17 @@ functional: venv
 reproductions: venv
 	$(PYTEST) $(REPRODUCTIONS) $(PYTEST_ARGS)
 
+# Whole files per worker and longest first, as the integration tier (tests/conftest.py's LONGEST_FIRST).
+e2e: venv
+	$(PYTEST) $(E2E) $(INTEGRATION_XDIST) $(PYTEST_ARGS)
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf .venv-newest .venv-floor .pytest_cache *.egg-info
+	rm -rf .venv-newest .venv-floor .venv-floor-pytest8 .pytest_cache *.egg-info
 
 # Regenerate docs/known-bugs.md from the known-bug registry (KNOWN_BUGS in pytest_megatron_fsdp/fsdp/versions.py);
 # tests/unit/test_docs.py fails while the page and the registry disagree.

@@ -9,10 +9,20 @@ option inherited from the caller's shell would change what those sessions do, an
 ``BUILD_NUMBER`` (set by CI services) makes pytest print its short summary untrimmed: the sessions
 print the same on a laptop and on CI, and a test that is about CI output sets ``CI``. Each tier's
 conftest.py makes ``plain_environment`` autouse.
+
+One way to run a pytest session in a subprocess, plain (the plugin launches the rank sets) or under
+torchrun: :func:`run_pytest_session`, with the suite's isolation (a plain environment,
+pytest-randomly off, a ``$TMPDIR``, ``HOME`` and basetemp of its own, no colour, a timeout that kills
+the whole process group and fails the test) and what the session left behind (:class:`Scenario`).
+A test takes it as the ``inner_session`` fixture (a fresh directory under ``tmp_path`` each call);
+a module-scoped fixture whose one session many tests read takes ``run_scenario``. Older tests still
+call ``pytester.runpytest_subprocess`` or ``subprocess.run`` themselves; new ones use these. (The
+unit tier starts none: tests/unit/conftest.py.)
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -213,6 +223,19 @@ def run_pytest_session(
     )
 
 
+@pytest.fixture
+def inner_session(tmp_path: Path) -> Callable[..., Scenario]:
+    """``inner_session(files, *args, torchrun=False, nproc=2, env=None, timeout=300)``: one pytest
+    session in a subprocess, in a fresh directory under the test's ``tmp_path`` (``session0``,
+    ``session1``, ...; see :func:`run_pytest_session`)."""
+    count = itertools.count()
+
+    def run(files: Mapping[str, str], *args: str, **options: Any) -> Scenario:
+        return run_pytest_session(tmp_path / f"session{next(count)}", files, *args, **options)
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def run_scenario(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Scenario]:
     """``run_scenario(name, files, *args, torchrun=False, nproc=2, env=None, timeout=300)``: one
@@ -227,3 +250,33 @@ def run_scenario(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Scen
         return run_pytest_session(path, files(path) if callable(files) else files, *args, **options)
 
     return run
+
+
+#: Each xdist-run tier's longest files, longest first: seconds in one process, 2-core machine otherwise
+#: idle, 2026-12-01, newest stack (Python 3.12.1, torch 2.14.1, megatron-core 0.19.2). They run first so
+#: that neither pytest-xdist worker (``--dist loadfile --no-loadscope-reorder``: whole files, handed
+#: out in collection order) ends the session alone on one of them.
+LONGEST_FIRST = {
+    "integration": (
+        "test_faults.py",  # 79 s; test_launch_modes.py ~32 s since its xdist run moved; the others 3-48 s
+    ),
+    "e2e": (
+        "test_functional_under_xdist.py",  # 245 s: the checkpoint and strategy files under pytest -n 2
+        "test_checkpoint_resharding.py",  # 83 s: world sizes 2, 4, 2 and 1 in turn
+        "test_wheel.py",  # 70-80 s: build, fresh venv, a 2-rank example
+        "test_leftovers.py",  # make test and make smoke on a small file
+    ),
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Puts each tier's :data:`LONGEST_FIRST` files at the head of its tests. Only a tier's tests move,
+    among the places they hold: a session of several tiers keeps its order."""
+    here = Path(__file__).parent
+    for tier, longest_first in LONGEST_FIRST.items():
+        root = here / tier
+        slots = [i for i, item in enumerate(items) if root in item.path.parents]
+        order = {name: rank for rank, name in enumerate(longest_first)}
+        mine = sorted((items[i] for i in slots), key=lambda item: order.get(item.path.name, len(order)))
+        for i, item in zip(slots, mine, strict=True):
+            items[i] = item

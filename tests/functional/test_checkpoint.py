@@ -1,7 +1,7 @@
 """fsdp_dtensor checkpoints of a Megatron-FSDP run: save, verify, load, resume (issues #3, #11).
 
 Every test runs on 2 ranks and every rank asserts (loading at other world sizes:
-tests/integration/test_checkpoint_resharding.py, which launches the rank sets itself). Exactness: a
+tests/e2e/test_checkpoint_resharding.py, which launches the rank sets itself). Exactness: a
 checkpoint round trip is a byte copy of the tensors, so states are compared with ``torch.equal``
 on any device; losses after a resume are exact on CPU ranks and compared with a small tolerance on
 GPUs, where cuBLAS and attention kernels may reduce in a different order from one process to the

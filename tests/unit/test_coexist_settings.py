@@ -1,7 +1,8 @@
 """How the settings of the plugins users commonly have reach a distributed test, in process (no rank
 set): pytest-timeout's as one more source of its timeout, pytest-rerunfailures' as its reruns and
 their filters, pytest-randomly's seed, a running coverage measurement. Each collected with the real
-plugin installed (the dev extra); the sessions that launch ranks are in test_coexist_*.py beside it.
+plugin installed (the dev extra); the sessions that launch ranks, and the usage errors a pytest
+session prints, are tests/integration/test_coexist_*.py.
 """
 
 from __future__ import annotations
@@ -100,19 +101,6 @@ def test_pytest_timeout_is_one_more_source_of_the_timeout(pytester, monkeypatch,
     assert {name: timeouts[name] for name in expected} == expected
 
 
-def test_a_bad_pytest_timeout_marker_is_one_line(pytester):
-    pytester.makepyfile(
-        "import pytest\n@pytest.mark.distributed(world_size=1)\n@pytest.mark.timeout('soon')\n"
-        "def test_x(): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=60)
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert result.stderr.lines[0] == (
-        "ERROR: test_a_bad_pytest_timeout_marker_is_one_line.py::test_x: @pytest.mark.timeout: invalid "
-        "timeout 'soon': must be a number of seconds (pytest-timeout's setting)"
-    ), result.stderr.lines
-
-
 RERUNS = """
 import pytest
 
@@ -168,40 +156,6 @@ def test_only_rerun_kinds_resolve_from_the_marker_over_the_options(pytester, mon
     assert specs["plain"].only_rerun == ("rank-death", "timeout")
     monkeypatch.setenv("MFSDP_ONLY_RERUN", "failure;rank-death")
     assert _specs(pytester, source)["plain"].only_rerun == ("failure", "rank-death")
-
-
-def test_a_bad_only_rerun_kind_is_one_line(pytester):
-    pytester.makepyfile("def test_nothing(): pass\n")
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--mfsdp-only-rerun=assertion", timeout=60
-    )
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert result.stderr.lines[0] == (
-        "ERROR: --mfsdp-only-rerun: invalid value 'assertion' for --mfsdp-only-rerun: choose one of: "
-        "timeout, rank-death, failure"
-    ), result.stderr.lines
-
-
-def test_a_flaky_condition_that_needs_the_exception_is_refused_in_one_line(pytester):
-    pytester.makepyfile(
-        "import pytest\n"
-        "@pytest.mark.distributed(world_size=1)\n"
-        "@pytest.mark.flaky(reruns=1, condition='error is not None')\ndef test_x(): pass\n"
-        "@pytest.mark.distributed(world_size=1)\n"
-        "@pytest.mark.flaky(reruns=1, condition=True)\ndef test_bool(): pass\n"
-    )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--mfsdp-platform=cpu", timeout=60)
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    line = result.stderr.lines[0]
-    assert line.startswith(
-        "ERROR: test_a_flaky_condition_that_needs_the_exception_is_refused_in_one_line.py::test_x: "
-        "@pytest.mark.flaky(condition='error is not None') on a distributed test: only a bool condition "
-        "is supported"
-    ), result.stderr.lines
-    assert "test_bool" not in result.stderr.str()
-
-
-# -- which failures are rerun ---------------------------------------------------------------------
 
 
 def _failed(text: str, kind: str | None = None) -> pytest.TestReport:

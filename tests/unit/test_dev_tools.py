@@ -17,5 +17,5 @@ def test_the_dev_extra_and_the_dev_group_list_the_same_tools() -> None:
     extra = project["project"]["optional-dependencies"]["dev"]
     group = project["dependency-groups"]["dev"]
     assert sorted(map(str, map(Requirement, extra))) == sorted(map(str, map(Requirement, group)))
-    # the Makefile's `wheel` target and tests/integration/test_wheel.py's build need these
+    # the Makefile's `wheel` target and tests/e2e/test_wheel.py's build need these
     assert {"build", "twine", "setuptools"} <= {Requirement(r).name for r in group}
