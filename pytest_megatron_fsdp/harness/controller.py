@@ -36,15 +36,24 @@ EXIT_WAIT_S = 60.0
 
 
 class Controller:
-    """The plain-mode parent's controller (registered as ``mfsdp-controller`` through
-    ``roles.ParentPlugin``, which adds the session's plan around it)."""
+    """The plain-mode parent's controller: rank sets started, given their batches, watched and
+    closed. A plain object with no pytest hooks: the parent's role plugin (``roles.parent``) holds
+    one and calls it from its hooks (:meth:`prestart`, :meth:`plan_first_batch`, :meth:`hosts`,
+    :meth:`run`, :meth:`close_all`)."""
 
     def __init__(
-        self, config: pytest.Config, forwarded_args: list[str], explicit_log_dir: str | None
+        self,
+        config: pytest.Config,
+        forwarded_args: list[str],
+        explicit_log_dir: str | None,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         """``forwarded_args``: the plugin's own options as the user gave them, for the ranks' pytest
-        (the platform is added per world size); ``explicit_log_dir``: ``--mfsdp-log-dir``."""
+        (the platform is added per world size); ``explicit_log_dir``: ``--mfsdp-log-dir``;
+        ``before_launch``: called before each rank set is launched (the parent installs its signal
+        handlers with the first)."""
         self.config = config
+        self._before_launch = before_launch
         self._forwarded_args = list(forwarded_args)
         self._explicit_log_dir = explicit_log_dir
         #: the platform each world size runs on, decided once per session (see plan_platforms)
@@ -69,11 +78,11 @@ class Controller:
         if self._prestart_decided:
             return
         self._prestart_decided = True
-        if self.config.option.collectonly or self._in_xdist_worker():
+        if self.config.option.collectonly or self.in_xdist_worker():
             return
-        self.active[world_size] = self._launch(world_size)
+        self.active[world_size] = self._new_rank_set(world_size)
 
-    def _in_xdist_worker(self) -> bool:
+    def in_xdist_worker(self) -> bool:
         return hasattr(self.config, "workerinput")
 
     def plan_first_batch(self, distributed: list[pytest.Item]) -> None:
@@ -88,13 +97,18 @@ class Controller:
         if self.config.option.collectonly or not runnable:
             self.close_all()
             return
-        if self._in_xdist_worker():
+        if self.in_xdist_worker():
             return  # which tests this worker runs comes later, one by one: batches start with them
         world_size = spec_of(runnable[0]).world_size
         for other in [w for w in self.active if w != world_size]:
             self._close(other)
         if world_size not in self.active:
-            self._launch(world_size)
+            self._new_rank_set(world_size)
+
+    def _new_rank_set(self, world_size: int) -> RankSet:
+        if self._before_launch is not None:
+            self._before_launch()
+        return self._launch(world_size)
 
     def _launch(self, world_size: int) -> RankSet:
         self._batches += 1
@@ -139,13 +153,13 @@ class Controller:
             return self._assign(item, world_size, current)  # launched at collection, warmed up
         if current is not None:
             self._close(world_size)
-        return self._assign(item, world_size, self._launch(world_size))
+        return self._assign(item, world_size, self._new_rank_set(world_size))
 
     def plan_gpu_slice(self) -> str | None:
         """In a pytest-xdist worker whose session runs tests on CUDA: this worker's GPUs, a slice
         as large as the biggest CUDA world size (None elsewhere). Too few GPUs is a usage error."""
         cuda = [w for w, p in self.platforms.items() if p == "cuda"]
-        if not cuda or not self._in_xdist_worker():
+        if not cuda or not self.in_xdist_worker():
             return None
         from . import gpu_slices
 
@@ -195,26 +209,13 @@ class Controller:
 
     # -- running ------------------------------------------------------------------------------------
 
-    def _runs(self, item: pytest.Item) -> bool:
+    def hosts(self, item: pytest.Item) -> bool:
         """Whether this controller runs ``item`` (a distributed test this machine hosts)."""
         return spec_of(item) is not None and UNHOSTABLE not in item.stash
 
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
-        """pytest-timeout: no timer of its own around a distributed test here. The controller owns
-        that test's deadline (its timeout, pytest-timeout's settings among the sources: see
-        ``options.value_of``); a SIGALRM in its wait would end the session, a timer thread's
-        ``os._exit`` would leave the rank set running."""
-        return True if self._runs(item) else None
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
-        return True if isinstance(item, pytest.Item) and self._runs(item) else None
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        if not self._runs(item):
-            return None  # plain tests, and tests skipped for want of GPUs, run as usual
+    def run(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """Run ``item`` (one it :meth:`hosts`) in its rank set, with its reruns, and log its reports
+        here as pytest's runner would (logstart, the reports, logfinish)."""
         spec = spec_of(item)
         world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
@@ -279,7 +280,6 @@ class Controller:
             del remaining[: remaining.index(item.nodeid) + 1]
             if not remaining:
                 self._finish_batch(world_size)
-        return True
 
     def _fresh_rank_set(self, item: pytest.Item, world_size: int) -> RankSet:
         """A new rank set for another attempt at ``item`` (and the rest of its batch after it).
@@ -289,22 +289,7 @@ class Controller:
         That set is killed, also part-way through a later test it had run ahead to.
         """
         self._close(world_size)
-        return self._assign(item, world_size, self._launch(world_size))
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, Any] | None:
-        if report.outcome == "rerun":
-            return "rerun", "R", ("RERUN", {"yellow": True})
-        return None
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self._in_xdist_worker():
-            return  # the xdist controller shows the reports its workers send
-        lines = rerun_summary([r for reports in terminalreporter.stats.values() for r in reports])
-        if lines:
-            terminalreporter.write_sep("=", "megatron-fsdp reruns")
-            for line in lines:
-                terminalreporter.write_line(line)
+        return self._assign(item, world_size, self._new_rank_set(world_size))
 
     def _teardown_local_state(
         self, item: pytest.Item, nextitem: pytest.Item | None

@@ -6,9 +6,11 @@ nothing from ``fsdp/`` (the Megatron-FSDP domain), ``reporting/`` or the Megatro
 imports one that imports it back. Every import counts: module-level, lazy (inside a function) and
 ``TYPE_CHECKING``-only ones.
 
-A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles.py``),
-decided once: only the role decision reads the torchrun environment, an srun step's Slurm variables
-or the launched-by-parent flag, and exactly one role plugin is registered per process.
+A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles/``, one
+module per role), decided once: only the role decision (``roles/deciding.py``) reads the torchrun
+environment, an srun step's Slurm variables or the launched-by-parent flag, and exactly one role
+plugin is registered per process. ``roles/`` is a room of its own above the harness: a role holds
+its harness objects and imports them; ``harness/`` never imports a role.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def layering_problems(root: Path) -> list[str]:
             problems += [
                 f"{module} imports {t}"
                 for t in sorted(targets)
-                if t.startswith((f"{name}.fsdp", f"{name}.reporting", f"{name}.cpu_mode"))
+                if t.startswith((f"{name}.fsdp", f"{name}.reporting", f"{name}.cpu_mode", f"{name}.roles"))
             ]
     loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
     problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
@@ -127,7 +129,7 @@ TORCHRUN_VARIABLES = (
 ROLE_READERS = ("from_environ", "launched_by_parent", "step_of", "in_multi_task_step")
 #: the modules that may name them, and why
 ROLE_MODULES = {
-    "roles": "decides the role, once",
+    "roles.deciding": "decides the role, once",
     "harness.session": "TorchrunEnv.from_environ parses torchrun's variables (called by roles only)",
     "harness.protocol": "defines the launched-by-parent flag",
     "harness.launcher": "names torchrun's variables to remove them from the rank sets it launches",
@@ -210,6 +212,15 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         (
             {"harness/__init__.py": "", "cpu_mode.py": "", "harness/f.py": "from .. import cpu_mode\n"},
             "pkg.harness.f imports pkg.cpu_mode",
+        ),
+        (
+            {
+                "harness/__init__.py": "",
+                "roles/__init__.py": "",
+                "roles/parent.py": "",
+                "harness/j.py": "def f():\n    from ..roles import parent\n",
+            },
+            "pkg.harness.j imports pkg.roles.parent",
         ),
         ({"plugin.py": "import os\nrank = os.environ['RANK']\n"}, "pkg.plugin reads torchrun's RANK"),
         (
