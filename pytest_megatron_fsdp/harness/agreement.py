@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprFileLocation, ReprTraceback
+
+from .pytest_compat import ExceptionChainRepr, ReprEntryNative, ReprFileLocation, ReprTraceback
 
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from . import coexist, flight_recorder, protocol, warnings_relay, xdist_queue
+from . import coexist, flight_recorder, protocol, pytest_compat, warnings_relay, xdist_queue
 from .agreement import headlined_failure
 from .launcher import PostMortem, RankSet, describe_exit
 from .protocol import log_dir, spec_of
@@ -299,7 +299,7 @@ class Controller:
         own teardown ran in its ranks, but this process's setup state must still move on, or the
         next local test in another module finds the previous one 'not torn down properly'."""
         call = pytest.CallInfo.from_call(
-            lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown"
+            lambda: pytest_compat.teardown_local_state(item, nextitem), when="teardown"
         )
         if call.excinfo is None:
             return []

@@ -30,9 +30,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
-from _pytest.runner import runtestprotocol
 
-from . import coexist, flight_recorder, protocol, warnings_relay
+from . import coexist, flight_recorder, protocol, pytest_compat, warnings_relay
 from .agreement import headlined_failure, merge_reports, summarise
 from .held_terminal import HELD_TERMINAL
 from .protocol import (
@@ -148,8 +147,6 @@ class RankPlugin:
 
     def _quiet_terminal(self, config: pytest.Config) -> None:
         """This rank's terminal report goes to its log file (rank 0's reaches the user)."""
-        from _pytest.terminal import TerminalReporter
-
         old = config.pluginmanager.get_plugin("terminalreporter")
         if old is None:
             return
@@ -161,7 +158,9 @@ class RankPlugin:
             old._tw.hasmarkup = False
         else:
             config.pluginmanager.unregister(old)
-            config.pluginmanager.register(TerminalReporter(config, self.log), "terminalreporter")
+            config.pluginmanager.register(
+                pytest_compat.TerminalReporter(config, self.log), "terminalreporter"
+            )
         if config.getoption("capture") == "no":
             # Nothing captures this rank's output, so point its stdout/stderr at the log too.
             sys.stdout.flush()
@@ -266,7 +265,7 @@ class RankPlugin:
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
             with warnings_relay.capture() if self._relay_warnings else nullcontext([]) as caught:
-                reports = runtestprotocol(item, nextitem=nextitem, log=False)
+                reports = pytest_compat.runtestprotocol(item, nextitem=nextitem, log=False)
                 self._check_after_test(item, reports, rank_session)
             try:
                 merged = self._exchange_outcomes(

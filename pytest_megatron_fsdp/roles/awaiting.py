@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
+from ..harness import pytest_compat
 from ..harness.held_terminal import HELD_TERMINAL, HeldOutput
 from .deciding import ProcessRole, RolePlugin, asks_for_plugin
 
@@ -36,11 +37,11 @@ class AwaitingUse(RolePlugin):
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is None or self.role.torchrun.rank == 0:
             return
-        from _pytest.terminal import TerminalReporter
-
         held = self.config.stash[HELD_TERMINAL] = HeldOutput(sys.stdout)
         self.config.pluginmanager.unregister(reporter)
-        self.config.pluginmanager.register(TerminalReporter(self.config, held), "terminalreporter")
+        self.config.pluginmanager.register(
+            pytest_compat.TerminalReporter(self.config, held), "terminalreporter"
+        )
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_itemcollected(self, item: pytest.Item) -> None:

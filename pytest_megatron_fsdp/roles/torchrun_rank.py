@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from .. import options
-from ..harness import owned_temp
+from ..harness import owned_temp, pytest_compat
 from ..harness.session import TorchrunEnv
 from .awaiting import AwaitingUse
 from .deciding import PLUGINS, ProcessRole, Role, RolePlugin
@@ -97,11 +97,11 @@ class TorchrunRankPlugin(_RankRolePlugin):
         assert role.torchrun is not None
         cls.prepare(config, role)
         if role.torchrun.rank != 0:
-            _stop_junit_xml(config)  # rank 0's file carries every rank's outcome
+            pytest_compat.stop_junit_xml(config)  # rank 0's file carries every rank's outcome
         basetemp = config.option.basetemp
         cls._set_basetemp(config, role.torchrun)
         if config.option.basetemp != basetemp:
-            _renew_tmp_path_factory(config)
+            pytest_compat.renew_tmp_path_factory(config)
         plugin = super().create(config, role, options.session_values(config))
         config.pluginmanager.register(plugin, plugin.NAME)  # its pytest_configure runs now
         plugin.registered()
@@ -136,30 +136,6 @@ def _interrupt_on(signum: int) -> Callable[[], None]:
 
     previous = signal.signal(signum, handle)
     return lambda: signal.signal(signum, previous)
-
-
-def _stop_junit_xml(config: pytest.Config) -> None:
-    """No JUnit file from this rank, though ``--junitxml`` was given (pytest's plugin for it is
-    already configured: it is unregistered before it writes)."""
-    config.option.xmlpath = None
-    try:
-        from _pytest.junitxml import xml_key
-    except ImportError:  # a pytest that moved it: every rank writes, as without the plugin
-        return
-    xml = config.stash.get(xml_key, None)
-    if xml is not None:
-        del config.stash[xml_key]
-        config.pluginmanager.unregister(xml)
-
-
-def _renew_tmp_path_factory(config: pytest.Config) -> None:
-    """pytest read ``--basetemp`` at configure; a factory nobody used yet is made again from it."""
-    factory = getattr(config, "_tmp_path_factory", None)
-    if factory is None or getattr(factory, "_basetemp", None) is not None:
-        return
-    from _pytest.tmpdir import TempPathFactory
-
-    config._tmp_path_factory = TempPathFactory.from_config(config, _ispytest=True)  # type: ignore[attr-defined]
 
 
 PLUGINS[Role.TORCHRUN_RANK] = TorchrunRankPlugin

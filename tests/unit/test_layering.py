@@ -3,7 +3,8 @@
 Three concerns, arrows only pointing down: ``harness/`` (launching and watching ranks) imports
 nothing from ``fsdp/`` (the Megatron-FSDP domain), ``reporting/`` or the Megatron-specific CPU mode
 (``cpu_mode``); the domain imports no pytest; the entry module loads no torch; and no module
-imports one that imports it back. Every import counts: module-level, lazy (inside a function) and
+imports one that imports it back; only ``harness/pytest_compat.py`` imports pytest's private
+``_pytest``. Every import counts: module-level, lazy (inside a function) and
 ``TYPE_CHECKING``-only ones.
 
 A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles/``, one
@@ -109,6 +110,8 @@ def layering_problems(root: Path) -> list[str]:
                 for t in sorted(targets)
                 if t.startswith((f"{name}.fsdp", f"{name}.reporting", f"{name}.cpu_mode", f"{name}.roles"))
             ]
+        if module != f"{name}.harness.pytest_compat":
+            problems += [f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] == "_pytest"]
     loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
     problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
     return problems + role_problems(root)
@@ -221,6 +224,10 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
                 "harness/j.py": "def f():\n    from ..roles import parent\n",
             },
             "pkg.harness.j imports pkg.roles.parent",
+        ),
+        (
+            {"harness/__init__.py": "", "harness/k.py": "from _pytest.runner import runtestprotocol\n"},
+            "pkg.harness.k imports _pytest.runner",
         ),
         ({"plugin.py": "import os\nrank = os.environ['RANK']\n"}, "pkg.plugin reads torchrun's RANK"),
         (
