@@ -26,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,9 +58,25 @@ from .session import (
 PEER_DUMP_GRACE_S = 5.0
 
 
-class RankPlugin:
-    """What every torchrun rank does (registered as ``mfsdp-rank`` through ``roles``: a launched
-    rank's or a torchrun-mode rank's plugin, each one of these)."""
+@dataclass(frozen=True)
+class RankDuties:
+    """What a rank does that depends on who reports its session: its parent (a launched rank set)
+    or its own rank 0 (a torchrun session or srun step the user started). The role that holds the
+    :class:`RankRunner` chooses them."""
+
+    #: rank 0 reports to the user's terminal, and a rank whose test timed out writes its stacks and
+    #: the ranks' aligned collectives there (else a parent reports everything from the logs)
+    reports_itself: bool
+    #: the tests' warnings go to the parent (unless -p no:warnings)
+    relays_warnings: bool
+    #: what becomes of the session when a rank cannot go on with its peers (said in the failure)
+    when_it_cannot_go_on: str
+
+
+class RankRunner:
+    """What every torchrun rank does around its tests: its log, the collection check, the watchdog,
+    the outcome exchange, the events to a parent. A plain object with no pytest hooks: a rank's role
+    plugin (``roles.ranks``) holds one and calls it from its hooks."""
 
     def __init__(
         self,
@@ -67,21 +84,21 @@ class RankPlugin:
         torchrun: TorchrunEnv,
         log_dir: Callable[[], Path],
         agreement_timeout_s: float,
-        default_timeout_s: float,
+        default_timeout: Callable[[pytest.Item], float],
+        duties: RankDuties,
         distributed_logs: bool = False,
         private_temp: Path | None = None,
-        launched: bool = False,
     ) -> None:
+        """``default_timeout``: the timeout of a test neither the parent's batch nor its marker
+        gives one (a test without the marker in a torchrun rank session)."""
         self.config = config
         self.torchrun = torchrun
         self.rank = torchrun.rank
         self._log_dir = log_dir
         #: seconds the ranks wait for each other's collection (the process-group timeout)
         self._agreement_timeout_s = agreement_timeout_s
-        #: for tests without the marker that run in this rank session (torchrun mode)
-        self._default_timeout_s = default_timeout_s
-        #: a rank of a set the plain-mode parent launched (else a torchrun-mode rank)
-        self.launched = launched
+        self._default_timeout = default_timeout
+        self.duties = duties
         self._report_file = config.getoption(REPORT_FILE_DEST)
         #: the parent's resolved timeout per test (launched rank sets only)
         self._batch_timeouts: dict[str, float] = {}
@@ -93,13 +110,15 @@ class RankPlugin:
         #: torchrun mode: this rank's own temp tree, removed at unconfigure (or by the watchdog)
         self._private_temp = private_temp
         #: a launched rank set sends its tests' warnings to the parent (unless -p no:warnings)
-        self._relay_warnings = self.launched and warnings_relay.active(config)
+        self._relay_warnings = duties.relays_warnings and warnings_relay.active(config)
         #: the current test's warnings, every rank's merged (set by _exchange_outcomes)
         self._test_warnings: list[dict[str, Any]] = []
 
-    def pytest_configure(self, config: pytest.Config) -> None:
-        # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
-        # the cache dir (the default log dir) and the terminal reporter exist by then.
+    def open_log(self, config: pytest.Config) -> None:
+        """The rank's log, fault handlers and event stream; its terminal report to the log where
+        another process reports. Called from the role plugin's ``pytest_configure``, as it is
+        registered from the main plugin's trylast pytest_configure: the cache dir (the default log
+        dir) and the terminal reporter exist by then."""
         log_dir = self._log_dir()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"rank{self.rank}.log"
@@ -122,10 +141,12 @@ class RankPlugin:
             f"rank {self.rank} of {self.torchrun.world_size} (local rank {self.torchrun.local_rank}), "
             f"pid {os.getpid()}"
         )
-        if self.rank != 0 or self.launched:
+        if self.rank != 0 or not self.duties.reports_itself:
             self._quiet_terminal(config)
 
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
+    def quiet_distributed_logs(self) -> None:
+        """Filter torch.distributed's DEBUG/INFO records out of pytest's log handlers (unless
+        ``--mfsdp-distributed-logs``)."""
         if self._distributed_logs:
             return
         # pytest's handlers for captured logs (and live/file logging): records reach them from any
@@ -169,7 +190,7 @@ class RankPlugin:
             os.dup2(self.log.fileno(), 1)
             os.dup2(self.log.fileno(), 2)
 
-    def pytest_unconfigure(self, config: pytest.Config) -> None:
+    def close_log(self) -> None:
         if not hasattr(self, "log"):
             return
         faulthandler.unregister(signal.SIGUSR1)
@@ -182,8 +203,7 @@ class RankPlugin:
 
     # -- collection ---------------------------------------------------------------------------------
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+    def select_batch(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         """In a rank set the plugin launched: exactly the parent's batch, in the parent's order."""
         batch_file = config.getoption(BATCH_FILE_DEST)
         if batch_file is None:
@@ -236,23 +256,19 @@ class RankPlugin:
         if item.nodeid in self._batch_timeouts:
             return self._batch_timeouts[item.nodeid]
         spec = spec_of(item)
-        return spec.timeout_s if spec is not None else self._default_timeout_s
+        return spec.timeout_s if spec is not None else self._default_timeout(item)
 
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
-        """pytest-timeout: no timer of its own around a test the watchdog times (every test of a rank
-        session). Its SIGALRM would fail the test on this rank alone, mid-collective, and its timer
+    def times_its_tests(self) -> bool:
+        """Whether the watchdog times every test here (a rank session runs), so pytest-timeout sets
+        no timer of its own. Its SIGALRM would fail the test on this rank alone, mid-collective, and its timer
         thread would end this rank alone, each at a time of its own (an ini ``timeout`` reaches every
         rank a parent launches); the watchdog ends every rank at the test's one timeout, in which
         pytest-timeout's settings are a source (``options.value_of``)."""
-        return True if self.config.stash.get(RANK_SESSION, None) is not None else None
+        return self.config.stash.get(RANK_SESSION, None) is not None
 
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_cancel_timer(self, item: Any) -> bool | None:
-        return True if self.config.stash.get(RANK_SESSION, None) is not None else None
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    def run(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        """Run ``item`` with the other ranks and log the agreed reports (None: no rank session, the
+        test runs as pytest runs it)."""
         rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
         if rank_session is None:
             return None
@@ -291,12 +307,7 @@ class RankPlugin:
         """The test's reports when this rank cannot go on with its peers (they are gone, or the
         process group could not be rebuilt): it fails with ``why`` (this rank's own failure, if any,
         follows), and the session stops after it: no later test can have every rank."""
-        stops = (
-            "this rank set stops; the later tests run in a fresh one"
-            if self.launched
-            else "the session stops (every later test needs all ranks)"
-        )
-        message = f"megatron-fsdp: {why}; {stops}"
+        message = f"megatron-fsdp: {why}; {self.duties.when_it_cannot_go_on}"
         self._log(f"{item.nodeid}: {message}")
         if self.rank != 0:
             self._tell_terminal(f"{message} (rank {self.rank}, test {item.nodeid})")
@@ -342,9 +353,12 @@ class RankPlugin:
             teardown.longrepr = found.longrepr
         self._log(f"after {item.nodeid}: {found.longreprtext}")
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
-        report = yield
+    def review_report(
+        self, item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+    ) -> pytest.TestReport:
+        """A phase's report as this rank made it (from the role's ``pytest_runtest_makereport``):
+        logged at once when failed, the peers released; a teardown collective that only echoes a
+        released failure counts as done."""
         rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
         if (
             rank_session is not None
@@ -379,7 +393,7 @@ class RankPlugin:
             self._released = True
         return report
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+    def log_agreed(self, report: pytest.TestReport) -> None:
         if report.failed and self.config.stash.get(RANK_SESSION, None) is not None:
             # the agreed report (it quotes every failing rank); this rank's own failure was logged
             # by makereport as it happened
@@ -403,7 +417,7 @@ class RankPlugin:
                 shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
             if self._private_temp is not None:
                 shutil.rmtree(self._private_temp, ignore_errors=True)
-            if not self.launched:
+            if self.duties.reports_itself:
                 # torchrun mode: the terminal is the only place the user sees (a launched rank
                 # set's parent reports from the logs, and its torchrun output is only a tail)
                 self._release_terminal()
@@ -421,7 +435,7 @@ class RankPlugin:
                 except (OSError, ValueError):
                     pass
             self._await_peer_dumps(nodeid)
-            if not self.launched:
+            if self.duties.reports_itself:
                 self._align_collectives(nodeid)
             save_coverage()  # os._exit skips the atexit handler that would write it
             os._exit(TIMEOUT_EXIT_CODE)

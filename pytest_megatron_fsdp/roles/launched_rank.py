@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ..harness import protocol
+from ..harness.rank import RankDuties
 from ..harness.session import TorchrunEnv
 from .deciding import PLUGINS, Role
 from .ranks import _RankRolePlugin
@@ -15,6 +16,11 @@ class LaunchedRankPlugin(_RankRolePlugin):
     """A rank of a set the parent launched: the parent shows and writes everything."""
 
     LAUNCHED = True
+    DUTIES = RankDuties(
+        reports_itself=False,
+        relays_warnings=True,
+        when_it_cannot_go_on="this rank set stops; the later tests run in a fresh one",
+    )
 
     @classmethod
     def _set_basetemp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:

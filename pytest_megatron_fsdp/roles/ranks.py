@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Generator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -15,7 +16,7 @@ from .. import cpu_mode, options
 from ..fsdp import versions
 from ..harness import coexist, owned_temp, protocol
 from ..harness.platform import select_platform
-from ..harness.rank import RankPlugin
+from ..harness.rank import RankDuties, RankRunner
 from ..harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
 from .deciding import PLATFORM, ProcessRole, RolePlugin
 
@@ -23,11 +24,19 @@ from .deciding import PLATFORM, ProcessRole, RolePlugin
 RANK_TEMP = pytest.StashKey[Path]()
 
 
-class _RankRolePlugin(RankPlugin, RolePlugin):
-    """What both kinds of rank do beyond :class:`RankPlugin`: the platform and the rank session."""
+class _RankRolePlugin(RolePlugin):
+    """What both kinds of rank do: the platform, the rank session, and the pytest hooks around the
+    rank's :class:`..harness.rank.RankRunner`, which it holds."""
 
     NAME = "mfsdp-rank"
     LAUNCHED: ClassVar[bool]
+    #: what the rank does that depends on who reports its session
+    DUTIES: ClassVar[RankDuties]
+
+    def __init__(self, config: pytest.Config, torchrun: TorchrunEnv, runner: RankRunner) -> None:
+        self.config = config
+        self.torchrun = torchrun
+        self.runner = runner
 
     @classmethod
     def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:
@@ -84,16 +93,26 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
         cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues
     ) -> _RankRolePlugin:
         assert role.torchrun is not None
-        return cls(
+        runner = RankRunner(
             config,
             role.torchrun,
             lambda: protocol.log_dir(config, values.log_dir, "torchrun", chosen_by_parent=cls.LAUNCHED),
             agreement_timeout_s=values.pg_timeout,
-            default_timeout_s=values.timeout,
+            default_timeout=_timeout_without_the_marker,
+            duties=cls.DUTIES,
             distributed_logs=values.distributed_logs,
             private_temp=config.stash.get(RANK_TEMP, None),
-            launched=cls.LAUNCHED,
         )
+        return cls(config, role.torchrun, runner)
+
+    # -- the rank's log -----------------------------------------------------------------------------
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        # called as this plugin is registered
+        self.runner.open_log(config)
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.runner.quiet_distributed_logs()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -106,24 +125,17 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
                         f"{self.torchrun.world_size} ranks"
                     )
                 )
-        super().pytest_collection_modifyitems(config, items)  # a launched rank set: the parent's batch
+        self.runner.select_batch(config, items)  # a launched rank set: the parent's batch
 
     def _shared_root(self, config: pytest.Config) -> str | None:
         return options.session_values(config).shared_dir
-
-    def timeout_for(self, item: pytest.Item) -> float:
-        # a test without the marker in a torchrun rank session: by the same precedence, without the
-        # distributed marker (pytest-timeout's marker, --mfsdp-timeout, pytest-timeout's options)
-        if item.nodeid in self._batch_timeouts or protocol.spec_of(item) is not None:
-            return super().timeout_for(item)
-        return float(options.value_of(item.config, "timeout", item).value)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         config = session.config
         if config.option.collectonly or not _needs_rank_session(session):
             return
-        if not self.launched:
+        if not self.LAUNCHED:
             # before the ranks connect: every rank refuses alike
             coexist.refuse_rerunfailures_under_torchrun(session.items)
         rank_session = RankSession.start(
@@ -133,12 +145,40 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
             shared_root=self._shared_root(config),
         )
         config.stash[RANK_SESSION] = rank_session
-        self.check_same_collection(session, rank_session)
+        self.runner.check_same_collection(session, rank_session)
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None and self.torchrun.rank == 0:
             reporter.write_line(rank_session.header(versions.stack_description()))
             if missing := versions.missing_features_line():
                 reporter.write_line(missing)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+        """pytest-timeout: no timer of its own around a test the watchdog times (see
+        :meth:`..harness.rank.RankRunner.times_its_tests`)."""
+        return True if self.runner.times_its_tests() else None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_cancel_timer(self, item: Any) -> bool | None:
+        return True if self.runner.times_its_tests() else None
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        return self.runner.run(item, nextitem)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        return self.runner.review_report(item, call, report)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.runner.log_agreed(report)
+
+    # -- the end ------------------------------------------------------------------------------------
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         rank_session = session.config.stash.get(RANK_SESSION, None)
@@ -147,7 +187,7 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
             rank_session.close()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        super().pytest_unconfigure(config)  # the rank's log closes first
+        self.runner.close_log()  # the rank's log closes first
         private = config.stash.get(RANK_TEMP, None)
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
@@ -155,6 +195,12 @@ class _RankRolePlugin(RankPlugin, RolePlugin):
             owned_temp.sweep([None, self._shared_root(config)])
         if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
             cpu_mode.disable()
+
+
+def _timeout_without_the_marker(item: pytest.Item) -> float:
+    """A test without the marker in a torchrun rank session: by the same precedence, without the
+    distributed marker (pytest-timeout's marker, --mfsdp-timeout, pytest-timeout's options)."""
+    return float(options.value_of(item.config, "timeout", item).value)
 
 
 def _needs_rank_session(session: pytest.Session) -> bool:

@@ -14,6 +14,7 @@ import pytest
 
 from .. import options
 from ..harness import owned_temp, pytest_compat
+from ..harness.rank import RankDuties
 from ..harness.session import TorchrunEnv
 from .awaiting import AwaitingUse
 from .deciding import PLUGINS, ProcessRole, Role, RolePlugin
@@ -30,6 +31,11 @@ class TorchrunRankPlugin(_RankRolePlugin):
     that uses it is collected (:class:`AwaitingUse`)."""
 
     LAUNCHED = False
+    DUTIES = RankDuties(
+        reports_itself=True,
+        relays_warnings=False,
+        when_it_cannot_go_on="the session stops (every later test needs all ranks)",
+    )
 
     @classmethod
     def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:

@@ -276,11 +276,11 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
     its role's class, and no other controller or rank plugin."""
     from pytest_megatron_fsdp import cpu_mode, roles
     from pytest_megatron_fsdp.harness.controller import Controller
-    from pytest_megatron_fsdp.harness.rank import RankPlugin
+    from pytest_megatron_fsdp.harness.rank import RankRunner
 
     monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
     monkeypatch.setattr(cpu_mode, "disable", lambda: None)
-    monkeypatch.setattr(RankPlugin, "_quiet_terminal", lambda self, config: None)  # keeps this stdout
+    monkeypatch.setattr(RankRunner, "_quiet_terminal", lambda self, config: None)  # keeps this stdout
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     tmp = pytester.path
@@ -293,6 +293,6 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
         *(a.format(tmp=tmp) for a in args),
     )
     plugins = config.pluginmanager.get_plugins()
-    role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankPlugin))]
+    role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankRunner))]
     assert [type(p).__name__ for p in role_plugins] == [expected]
     assert type(role_plugins[0]) is roles.role_of(config).plugin_class
