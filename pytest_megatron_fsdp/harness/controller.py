@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
-from . import coexist, flight_recorder, protocol, pytest_compat, warnings_relay, xdist_queue
+from . import coexist, protocol, pytest_compat, warnings_relay, xdist_queue
 from .agreement import headlined_failure
-from .launcher import PostMortem, RankSet, describe_exit
+from .explain import abnormal_exits, death_text, note_attempts
+from .launcher import RankSet
 from .protocol import log_dir, spec_of
 
 #: seconds a fresh rank set may spend starting (imports, rendezvous) before its first test counts
@@ -237,7 +238,7 @@ class Controller:
                 # with what its ranks had logged, its rank set is killed, and pytest then ends the
                 # session as interrupted, writing JUnit XML and the report for every finished test.
                 rank_set.kill()
-                reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + _death(
+                reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + death_text(
                     rank_set.post_mortem(),
                     spec.timeout_s,
                     interrupted=True,
@@ -268,7 +269,7 @@ class Controller:
                     report.mfsdp_attempt = attempt
                 item.ihook.pytest_runtest_logreport(report=report)
         if failures:
-            _note_attempts(reports, failures, attempts)
+            note_attempts(reports, failures, attempts)
         if declined is not None:
             failed.sections.append(("megatron-fsdp: not rerun", declined))
         reports += self._teardown_local_state(item, nextitem)
@@ -371,14 +372,14 @@ class Controller:
                     continue  # the last words arrived with the exit
                 post_mortem = rank_set.post_mortem()
                 kind = TIMEOUT if post_mortem.timed_out else RANK_DEATH
-                reason = _death(post_mortem, timeout, timeout_source=spec.timeout_source)
+                reason = death_text(post_mortem, timeout, timeout_source=spec.timeout_source)
                 failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), kind)
                 return watch.reports + [failure]
             if _clock() > deadline:
                 rank_set.dump_stacks()
                 _sleep(1.0)
                 rank_set.kill()
-                reason = _death(
+                reason = death_text(
                     rank_set.post_mortem(), timeout, killed_after=timeout, timeout_source=spec.timeout_source
                 )
                 failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), TIMEOUT)
@@ -513,135 +514,6 @@ def _declines_rerun(
     return None
 
 
-def _death(
-    post_mortem: PostMortem,
-    timeout: float,
-    killed_after: float | None = None,
-    interrupted: bool = False,
-    timeout_source: str | None = None,
-) -> str:
-    """:func:`describe_death`, with who is stuck where from the ranks' flight-recorder dumps
-    (written as they timed out) when the test timed out."""
-    collectives = None
-    if post_mortem.timed_out or killed_after is not None:
-        collectives = flight_recorder.section(post_mortem.log_dir, post_mortem.world_size, time.time_ns())
-    return describe_death(post_mortem, timeout, killed_after, interrupted, collectives, timeout_source)
-
-
-def describe_death(
-    post_mortem: PostMortem,
-    timeout: float,
-    killed_after: float | None = None,
-    interrupted: bool = False,
-    collectives: list[str] | None = None,
-    timeout_source: str | None = None,
-) -> str:
-    """Why the rank set ended before the test did, with each rank's stacks or log tail.
-
-    ``killed_after``: the parent killed it after the test's timeout; ``interrupted``: the session
-    was interrupted; ``collectives``: the flight-recorder section of a timeout; ``timeout_source``:
-    where the timeout came from (a source label of ``--mfsdp-timeout``'s chain), said under the
-    headline of a timeout.
-    """
-    pm = post_mortem
-    lines: list[str] = []
-    if pm.timed_out or killed_after is not None:
-        lines.append(
-            f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
-            "and the rank set was killed"
-        )
-        if timeout_source is not None:
-            lines.append(f"timeout {timeout:g} s (from {timeout_source})")
-        lines += collectives or []
-    died = pm.died()
-    if died and not pm.timed_out:
-        first, code = died[0]
-        cause = pm.internal_errors.get(first)
-        lines.append(
-            f"rank {first} died ({describe_exit(code)}"
-            + (f": a pytest internal error in the rank: {cause})" if cause else ")")
-        )
-        for r, other in died[1:]:
-            lines.append(
-                f"rank {r} then ended ({describe_exit(other)}; stopped by torchrun after rank {first})"
-            )
-    if not lines and not interrupted:
-        lines.append(f"the rank set ended unexpectedly ({describe_exit(pm.returncode or 0)})")
-    for r in range(pm.world_size):
-        lines.append(f"---------- rank {r} (log: {pm.log_path(r)}) ----------")
-        lines.append(pm.excerpts.get(r, ""))
-    lines.append(f"---------- torchrun output (tail; whole: {pm.output_path}) ----------")
-    lines.append(pm.output_tail.rstrip())
-    return "\n".join(lines)
-
-
-#: a rank's pytest exit code that says only "some tests failed": those failures are reported already
-_TESTS_FAILED = 1
-#: how torchrun stops the other ranks once one has exited non-zero
-_STOPPED_BY_TORCHRUN = -int(signal.SIGTERM)
-
-
-def abnormal_exits(post_mortem: PostMortem) -> str:
-    """Why a rank set's non-zero exit after its last test is worth a note ("" when it is not).
-
-    A rank's pytest exits 1 when any of its tests failed, and torchrun then stops the other ranks
-    (SIGTERM) and exits non-zero itself: the normal end of a batch with failures, which the test
-    reports already show. Anything else (an internal error, another signal, a rank set with no
-    rank exit codes in torchrun's output) is not.
-    """
-    # pytest's own exit status where a rank left one (the set may end before torchrun reports
-    # anything), else what torchrun's summary says about the rank
-    exits = {**post_mortem.exits, **post_mortem.exit_statuses}
-    described = ", ".join(f"rank {rank}: {describe_exit(code)}" for rank, code in sorted(exits.items()))
-    if not exits:
-        return f"torchrun {describe_exit(post_mortem.returncode or 0)}, no rank exit codes in its output"
-    codes = set(exits.values())
-    if _TESTS_FAILED in codes and codes <= {_TESTS_FAILED, _STOPPED_BY_TORCHRUN}:
-        return ""
-    return described
-
-
-def _note_attempts(
-    reports: list[pytest.TestReport], failures: list[tuple[str, pytest.TestReport]], attempts: int
-) -> None:
-    """The last attempt's reports say how many attempts it took; the earlier failures become
-    sections of its failing report (or of its call report when it passed)."""
-    final = next((r for r in reports if r.failed), None)
-    if final is None:
-        final = next((r for r in reports if r.when == "call"), reports[-1])
-    for number, (rank_set, failed) in enumerate(failures, 1):
-        final.sections.append(
-            (
-                f"megatron-fsdp: attempt {number} of {attempts} failed ({failed.when}; rank set {rank_set})",
-                failed.longreprtext,
-            )
-        )
-    for report in reports:
-        report.mfsdp_attempts = len(failures) + 1
-        report.mfsdp_max_attempts = attempts
-
-
-def rerun_summary(reports: list[Any]) -> list[str]:
-    """One line per test that was rerun: flaky (passed on a rerun) or failed on every attempt."""
-    outcome: dict[str, tuple[bool, int, int]] = {}
-    for report in reports:
-        attempts = getattr(report, "mfsdp_attempts", None)
-        if not isinstance(report, pytest.TestReport) or attempts is None:
-            continue
-        failed = report.failed or outcome.get(report.nodeid, (False, 0, 0))[0]
-        outcome[report.nodeid] = (failed, attempts, report.mfsdp_max_attempts)
-    lines = []
-    for nodeid, (failed, attempts, max_attempts) in outcome.items():
-        if failed:
-            lines.append(f"FAILED {nodeid}: failed all {attempts} attempts, each in a fresh rank set")
-        else:
-            lines.append(
-                f"FLAKY {nodeid}: passed on attempt {attempts} of {max_attempts}, in a fresh rank set; "
-                "the earlier failures are sections of its report (-rP shows them)"
-            )
-    return lines
-
-
 def _report_from_event(config: pytest.Config, data: dict[str, Any]) -> pytest.TestReport:
     report = config.hook.pytest_report_from_serializable(config=config, data=data)
     if report.skipped and isinstance(report.longrepr, list):
@@ -722,7 +594,6 @@ def install_signal_handlers(controller: Controller) -> Callable[[], None]:
     unconfigure kills every rank set. A second SIGTERM or SIGINT kills the rank sets and exits at once.
     Returns the function that puts the previous handlers back (at unconfigure).
     """
-    import signal
 
     received: list[int] = []
 

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from .. import marker, options
 from ..fsdp import versions
 from ..harness import protocol
-from ..harness.controller import (
-    Controller,
-    install_signal_handlers,
-    plan_platforms,
-    remember_items,
-    rerun_summary,
-)
+from ..harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
+from ..harness.explain import rerun_summary
 from ..harness.gpu_slices import GpuSliceError
 from .deciding import PLUGINS, ProcessRole, Role, RolePlugin
 from .summary import show_summary
@@ -72,6 +67,7 @@ class ParentPlugin(RolePlugin):
             spec = marker.parse(item)
         except pytest.UsageError:
             return  # reported with every other marker at the end of collection
+        assert spec is not None  # the marker is there
         self.prestart(spec.world_size)
 
     @pytest.hookimpl(tryfirst=True)
@@ -129,7 +125,7 @@ class ParentPlugin(RolePlugin):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, Any] | None:
-        if report.outcome == "rerun":
+        if cast(str, report.outcome) == "rerun":  # set by the controller, outside pytest's three
             return "rerun", "R", ("RERUN", {"yellow": True})
         return None
 
