@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TextIO, cast
 
 import pytest
 
@@ -179,9 +179,8 @@ class RankRunner:
             old._tw.hasmarkup = False
         else:
             config.pluginmanager.unregister(old)
-            config.pluginmanager.register(
-                pytest_compat.TerminalReporter(config, self.log), "terminalreporter"
-            )
+            quiet = pytest_compat.TerminalReporter(config, cast(TextIO, self.log))
+            config.pluginmanager.register(quiet, "terminalreporter")
         if config.getoption("capture") == "no":
             # Nothing captures this rank's output, so point its stdout/stderr at the log too.
             sys.stdout.flush()
@@ -222,15 +221,16 @@ class RankRunner:
     def check_same_collection(self, session: pytest.Session, rank_session: RankSession) -> None:
         """All ranks run the same tests in the same order, or none runs anything."""
         mine = [item.nodeid for item in session.items]
-        store = rank_session.store
         seed = coexist.randomly_seed(self.config)
-        store.set(f"collect/{self.rank}", json.dumps({"nodeids": mine, "randomly_seed": seed}))
-        keys = [f"collect/{r}" for r in range(self.torchrun.world_size)]
-        store.wait(keys, datetime.timedelta(seconds=self._agreement_timeout_s))
-        first = json.loads(store.get("collect/0"))
+        collected = rank_session.exchange(
+            "collect",
+            json.dumps({"nodeids": mine, "randomly_seed": seed}),
+            datetime.timedelta(seconds=self._agreement_timeout_s),
+        )
+        first = json.loads(collected[0])
         reference = first["nodeids"]
         for rank in range(1, self.torchrun.world_size):
-            data = json.loads(store.get(f"collect/{rank}"))
+            data = json.loads(collected[rank])
             theirs = data["nodeids"]
             if theirs == reference:
                 continue
@@ -318,7 +318,7 @@ class RankRunner:
             item, message + (f"\n\nthis rank's own failure (rank {self.rank}):\n{own}" if own else "")
         )
         # rides on the report to a launching parent, which runs the rest of the batch in a fresh rank set
-        failed.mfsdp_rank_set_stopped = True
+        failed.mfsdp_rank_set_stopped = True  # type: ignore[attr-defined]
         item.session.shouldstop = message
         return reports
 
@@ -524,13 +524,13 @@ class RankRunner:
     ) -> list[pytest.TestReport]:
         """Exchange every rank's phase outcomes (and warnings) through the store; return the agreed
         reports (the warnings, merged, go to ``self._test_warnings``)."""
-        store = rank_session.store
         mine = {r.when: summarise(r) for r in reports}
         released, self._released = self._released, False
-        keys = [f"test/{index}/{r}" for r in range(self.torchrun.world_size)]
         try:
-            store.set(
-                keys[self.rank],
+            # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an
+            # srun step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
+            exchanged = rank_session.exchange(
+                f"test/{index}",
                 json.dumps(
                     {
                         "nodeid": item.nodeid,
@@ -539,15 +539,10 @@ class RankRunner:
                         "warnings": warnings_data or [],
                     }
                 ),
-            )
-            # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an
-            # srun step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
-            rank_session.wait_for_peers(
-                keys,
                 datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5),
                 f"the outcome of {item.nodeid}",
             )
-            outcomes = [json.loads(store.get(key)) for key in keys]
+            outcomes = [json.loads(value) for value in exchanged]
         except RuntimeError as exc:  # torch's DistStoreError, DistNetworkError
             raise SessionCannotGoOn(
                 f"the ranks' outcomes of the test could not be exchanged through the rendezvous store: "

@@ -362,9 +362,9 @@ class RankSession:
             # first went on to its next test, failed it at once and destroyed the new group while
             # its peer was still connecting, and the peer's init failed ("Connection closed by peer";
             # measured in docs/troubleshooting.md). No rank leaves until every rank's init has returned.
-            keys = [f"rebuilt/{self.generation}/{rank}" for rank in range(self.env.world_size)]
-            self.store.set(keys[self.env.rank], "1")
-            self.wait_for_peers(keys, self._pg_timeout, "the other ranks' rebuilt process group")
+            self.exchange(
+                f"rebuilt/{self.generation}", "1", self._pg_timeout, "the other ranks' rebuilt process group"
+            )
         except SessionCannotGoOn:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever the backend raised, no test can run now
@@ -419,6 +419,20 @@ class RankSession:
         if torchrun.launched_by:  # srun: nobody else watches these ranks
             session.heartbeat = Heartbeat(torchrun, timeout)
         return session
+
+    def exchange(
+        self, prefix: str, value: str, timeout: datetime.timedelta, what: str | None = None
+    ) -> list[bytes]:
+        """One round trip through the store: this rank's ``value`` under ``<prefix>/<rank>``, then
+        every rank's, in rank order, once all are there. ``what``: what the ranks wait for, where a
+        silent peer ends the wait early (:meth:`wait_for_peers`); None waits on the store alone."""
+        keys = [f"{prefix}/{rank}" for rank in range(self.env.world_size)]
+        self.store.set(keys[self.env.rank], value)
+        if what is None:
+            self.store.wait(keys, timeout)
+        else:
+            self.wait_for_peers(keys, timeout, what)
+        return [self.store.get(key) for key in keys]
 
     def wait_for_peers(self, keys: list[str], timeout: datetime.timedelta, what: str) -> None:
         """``store.wait(keys, timeout)``; where this rank counts on heartbeats (an srun step), in
