@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import TextIO, cast
 
 import pytest
 
@@ -39,9 +40,8 @@ class AwaitingUse(RolePlugin):
             return
         held = self.config.stash[HELD_TERMINAL] = HeldOutput(sys.stdout)
         self.config.pluginmanager.unregister(reporter)
-        self.config.pluginmanager.register(
-            pytest_compat.TerminalReporter(self.config, held), "terminalreporter"
-        )
+        holding = pytest_compat.TerminalReporter(self.config, cast(TextIO, held))  # a stream that holds
+        self.config.pluginmanager.register(holding, "terminalreporter")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_itemcollected(self, item: pytest.Item) -> None:

@@ -89,7 +89,11 @@ class _RankRolePlugin(RolePlugin):
         raise NotImplementedError
 
     @classmethod
-    def create(
+    def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> RolePlugin:
+        return cls._rank_plugin(config, role, values)
+
+    @classmethod
+    def _rank_plugin(
         cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues
     ) -> _RankRolePlugin:
         assert role.torchrun is not None

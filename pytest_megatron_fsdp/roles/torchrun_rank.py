@@ -94,7 +94,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
         if config.stash.get(_AWAITING, False):
             return AwaitingUse(config, role, lambda session: cls.start_late(config, role, session))
         options.refuse_plain_mode_only(config)
-        return super().create(config, role, values)
+        return cls._rank_plugin(config, role, values)
 
     @classmethod
     def start_late(cls, config: pytest.Config, role: ProcessRole, session: pytest.Session) -> None:
@@ -108,7 +108,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
         cls._set_basetemp(config, role.torchrun)
         if config.option.basetemp != basetemp:
             pytest_compat.renew_tmp_path_factory(config)
-        plugin = super().create(config, role, options.session_values(config))
+        plugin = cls._rank_plugin(config, role, options.session_values(config))
         config.pluginmanager.register(plugin, plugin.NAME)  # its pytest_configure runs now
         plugin.registered()
         plugin.pytest_sessionstart(session)
@@ -128,8 +128,9 @@ class TorchrunRankPlugin(_RankRolePlugin):
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         super().pytest_unconfigure(config)
-        if getattr(self, "_restore_sigterm", None) is not None:
-            self._restore_sigterm()
+        restore = getattr(self, "_restore_sigterm", None)
+        if restore is not None:
+            restore()
 
 
 def _interrupt_on(signum: int) -> Callable[[], None]:
@@ -141,7 +142,11 @@ def _interrupt_on(signum: int) -> Callable[[], None]:
         raise KeyboardInterrupt(f"signal {signal.Signals(received).name}")
 
     previous = signal.signal(signum, handle)
-    return lambda: signal.signal(signum, previous)
+
+    def restore() -> None:
+        signal.signal(signum, previous)
+
+    return restore
 
 
 PLUGINS[Role.TORCHRUN_RANK] = TorchrunRankPlugin
