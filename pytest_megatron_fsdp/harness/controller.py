@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import pytest
 
+from ..environment import DistributedSpec
 from . import coexist, protocol, pytest_compat, warnings_relay, xdist_queue
 from .agreement import headlined_failure
 from .explain import abnormal_exits, death_text, note_attempts
@@ -100,7 +101,7 @@ class Controller:
             return
         if self.in_xdist_worker():
             return  # which tests this worker runs comes later, one by one: batches start with them
-        world_size = spec_of(runnable[0]).world_size
+        world_size = _hosted_spec(runnable[0]).world_size
         for other in [w for w in self.active if w != world_size]:
             self._close(other)
         if world_size not in self.active:
@@ -140,7 +141,7 @@ class Controller:
         ]
         files = list(dict.fromkeys(str(i.path) for i in batch))
         rank_set.assign(
-            [(i.nodeid, spec_of(i).timeout_s) for i in batch], files, self._pytest_args(world_size)
+            [(i.nodeid, _hosted_spec(i).timeout_s) for i in batch], files, self._pytest_args(world_size)
         )
         self.active[world_size] = rank_set
         self.remaining[world_size] = [i.nodeid for i in batch]
@@ -164,8 +165,9 @@ class Controller:
             return None
         from . import gpu_slices
 
-        workers = int(self.config.workerinput["workercount"])
-        index = gpu_slices.worker_index(self.config.workerinput["workerid"], workers)
+        workerinput = cast(Any, self.config).workerinput  # pytest-xdist's, set on a worker's config
+        workers = int(workerinput["workercount"])
+        index = gpu_slices.worker_index(workerinput["workerid"], workers)
         devices = gpu_slices.worker_slice(gpu_slices.device_ids(), workers, index, max(cuda))
         self.gpu_slice = ",".join(devices)
         return self.gpu_slice
@@ -217,7 +219,7 @@ class Controller:
     def run(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         """Run ``item`` (one it :meth:`hosts`) in its rank set, with its reruns, and log its reports
         here as pytest's runner would (logstart, the reports, logfinish)."""
-        spec = spec_of(item)
+        spec = _hosted_spec(item)
         world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
@@ -229,7 +231,7 @@ class Controller:
             if attempt > 1:
                 _sleep(filters.delay(attempt - 1))
                 rank_set = self._fresh_rank_set(item, world_size)
-            item.execution_count = attempt  # as pytest-rerunfailures counts (its --fail-on-flaky reads it)
+            item.execution_count = attempt  # type: ignore[attr-defined]  # as pytest-rerunfailures counts (its --fail-on-flaky reads it)
             started = _clock()
             try:
                 reports = self._collect_reports(item, rank_set)
@@ -254,7 +256,8 @@ class Controller:
                 if self.active.get(world_size) is rank_set:
                     self._close(world_size)
             for report in reports:
-                report.rerun = attempt - 1  # pytest-rerunfailures' attribute: its summary lists the attempts
+                # pytest-rerunfailures' attribute: its summary lists the attempts
+                report.rerun = attempt - 1  # type: ignore[attr-defined]
             failed = next((r for r in reports if r.failed), None)
             if failed is None or attempt == attempts:
                 break
@@ -266,11 +269,12 @@ class Controller:
                 if report is failed:
                     # as pytest-rerunfailures reports it: "R", counted as "rerun", not as a failure
                     report.outcome = "rerun"  # type: ignore[assignment]
-                    report.mfsdp_attempt = attempt
+                    report.mfsdp_attempt = attempt  # type: ignore[attr-defined]
                 item.ihook.pytest_runtest_logreport(report=report)
         if failures:
             note_attempts(reports, failures, attempts)
         if declined is not None:
+            assert failed is not None  # only a failure is declined
             failed.sections.append(("megatron-fsdp: not rerun", declined))
         reports += self._teardown_local_state(item, nextitem)
         for report in reports:
@@ -335,7 +339,7 @@ class Controller:
     def _collect_reports(self, item: pytest.Item, rank_set: RankSet) -> list[pytest.TestReport]:
         """The test's reports as its rank set sends them; a failure of the phase it had reached when
         the rank set went wrong (died, hung, ran or collected something else)."""
-        spec = spec_of(item)
+        spec = _hosted_spec(item)
         timeout = spec.timeout_s
         startup = STARTUP_ALLOWANCE_S if rank_set.tests_finished == 0 else 0.0
         #: since when the test counts as running (its ranks' start; until then, this wait's)
@@ -401,7 +405,7 @@ class Controller:
             keywords={k: 1 for k in item.keywords},
             outcome="failed",
             longrepr=headlined_failure(item, reason),
-            when=when,
+            when=cast(Literal["setup", "call", "teardown"], when),
             sections=[],
             duration=max(duration, 0.0),
             user_properties=list(item.user_properties),
@@ -515,7 +519,7 @@ def _declines_rerun(
 
 
 def _report_from_event(config: pytest.Config, data: dict[str, Any]) -> pytest.TestReport:
-    report = config.hook.pytest_report_from_serializable(config=config, data=data)
+    report: pytest.TestReport = config.hook.pytest_report_from_serializable(config=config, data=data)
     if report.skipped and isinstance(report.longrepr, list):
         report.longrepr = tuple(report.longrepr)  # JSON has no tuples; pytest wants (path, line, reason)
     return report
@@ -535,7 +539,14 @@ def _not_collected(nodeid: str, event: protocol.Collected) -> str:
     )
 
 
-_SESSION_ITEMS = pytest.StashKey[list]()
+def _hosted_spec(item: pytest.Item) -> DistributedSpec:
+    """The spec of a distributed test (one the controller was given: it has one)."""
+    spec = spec_of(item)
+    assert spec is not None, item.nodeid
+    return spec
+
+
+_SESSION_ITEMS = pytest.StashKey[list[pytest.Item]]()
 #: set on a distributed test this machine cannot host (too few GPUs): it is skipped, not launched
 UNHOSTABLE = pytest.StashKey[str]()
 
@@ -559,7 +570,7 @@ def plan_platforms(controller: Controller, requested: str, items: list[pytest.It
     from .platform import PlatformError, select_platform, visible_gpu_count
 
     lines = []
-    for world_size in sorted({spec_of(i).world_size for i in items}):
+    for world_size in sorted({_hosted_spec(i).world_size for i in items}):
         try:
             choice = select_platform(requested, world_size)
         except PlatformError as exc:
@@ -570,7 +581,7 @@ def plan_platforms(controller: Controller, requested: str, items: list[pytest.It
                 f"needs {world_size} GPUs (world_size={world_size}, --mfsdp-platform=cuda); {gpus} visible"
             )
             for i in items:
-                if spec_of(i).world_size == world_size:
+                if _hosted_spec(i).world_size == world_size:
                     i.stash[UNHOSTABLE] = reason
                     i.add_marker(pytest.mark.skip(reason=reason))
             lines.append(f"world_size={world_size}: skipped ({exc})")

@@ -24,8 +24,9 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TextIO, cast
@@ -280,7 +281,10 @@ class RankRunner:
         self._event(protocol.Started(nodeid=item.nodeid))
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
-            with warnings_relay.capture() if self._relay_warnings else nullcontext([]) as caught:
+            relay: AbstractContextManager[list[warnings.WarningMessage]] = (
+                warnings_relay.capture() if self._relay_warnings else nullcontext([])
+            )
+            with relay as caught:
                 reports = pytest_compat.runtestprotocol(item, nextitem=nextitem, log=False)
                 self._check_after_test(item, reports, rank_session)
             try:

@@ -66,7 +66,7 @@ class TorchrunEnv:
         )
 
 
-class RendezvousError(pytest.UsageError):
+class RendezvousError(pytest.UsageError):  # type: ignore[misc]
     """The ranks did not all reach the rendezvous store in time (one line, no traceback)."""
 
 
@@ -98,15 +98,15 @@ class Heartbeat:
     def __init__(self, torchrun: TorchrunEnv, timeout: datetime.timedelta) -> None:
         import torch.distributed as dist
 
-        client = dist.TCPStore(
+        client = dist.TCPStore(  # type: ignore[attr-defined]
             host_name=torchrun.master_addr,
-            port=torchrun.master_port,
+            port=torchrun.master_port,  # type: ignore[arg-type]
             is_master=False,
             timeout=timeout,
             wait_for_workers=False,
             multi_tenant=True,
         )
-        self._store = dist.PrefixStore("mfsdp-alive", client)
+        self._store = dist.PrefixStore("mfsdp-alive", client)  # type: ignore[attr-defined]
         self._key = str(torchrun.rank)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="mfsdp-heartbeat", daemon=True)
@@ -143,7 +143,7 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     if torchrun.master_port is None:
         raise RuntimeError("MASTER_PORT is not set: start the ranks with torchrun")
     try:
-        return dist.TCPStore(
+        return dist.TCPStore(  # type: ignore[attr-defined]
             host_name=torchrun.master_addr,
             port=torchrun.master_port,
             world_size=torchrun.world_size,
@@ -184,7 +184,7 @@ def forget_dtensor_shardings() -> None:
         getattr(propagator, "_propagate_tensor_meta_cached", None),
     ):
         if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
+            cache.cache_clear()  # type: ignore[union-attr]
     torch = sys.modules.get("torch")
     native = getattr(getattr(torch, "_C", None), "_clear_DTensor_sharding_propagator_cache", None)
     if native is not None:
@@ -202,7 +202,7 @@ def check_collectives(environ: MutableMapping[str, str]) -> None:
     environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     import torch.distributed as dist
 
-    dist.set_debug_level_from_env()
+    dist.set_debug_level_from_env()  # type: ignore[attr-defined]
 
 
 def bound_group_timeouts(limit: datetime.timedelta) -> Callable[[], None]:
@@ -300,12 +300,12 @@ class RankSession:
         import torch
         import torch.distributed as dist
 
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if self.env.platform == "cuda":
             kwargs["device_id"] = torch.device(self.env.device)
         dist.init_process_group(
             backend=self.env.backend,
-            store=dist.PrefixStore(f"default_pg/{self.generation}", self._rendezvous_store),
+            store=dist.PrefixStore(f"default_pg/{self.generation}", self._rendezvous_store),  # type: ignore[attr-defined]
             rank=self.env.rank,
             world_size=self.env.world_size,
             timeout=self._pg_timeout,
@@ -397,7 +397,7 @@ class RankSession:
             device = f"cuda:{torchrun.local_rank}"
         else:
             device = "cpu"
-        harness_store = dist.PrefixStore("mfsdp", store)
+        harness_store = dist.PrefixStore("mfsdp", store)  # type: ignore[attr-defined]
         # Rank 0 makes a private (0700) directory under `shared_root` (every node must see it on
         # multi-node runs; the system temp dir on one node) and tells the others through the store.
         if torchrun.rank == 0:
