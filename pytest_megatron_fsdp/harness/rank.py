@@ -261,10 +261,10 @@ class RankRunner:
 
     def times_its_tests(self) -> bool:
         """Whether the watchdog times every test here (a rank session runs), so pytest-timeout sets
-        no timer of its own. Its SIGALRM would fail the test on this rank alone, mid-collective, and its timer
-        thread would end this rank alone, each at a time of its own (an ini ``timeout`` reaches every
-        rank a parent launches); the watchdog ends every rank at the test's one timeout, in which
-        pytest-timeout's settings are a source (``options.value_of``)."""
+        no timer of its own. Its SIGALRM would fail the test on this rank alone, mid-collective, and
+        its timer thread would end this rank alone, each at a time of its own (an ini ``timeout``
+        reaches every rank a parent launches); the watchdog ends every rank at the test's one
+        timeout, in which pytest-timeout's settings are a source (``options.value_of``)."""
         return self.config.stash.get(RANK_SESSION, None) is not None
 
     def run(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
