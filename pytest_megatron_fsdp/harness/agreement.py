@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprFileLocation, ReprTraceback
+
+from .pytest_compat import ExceptionChainRepr, ReprEntryNative, ReprFileLocation, ReprTraceback
 
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
 
@@ -99,7 +100,7 @@ def merge_reports(
                     f" (skipped on rank {', '.join(map(str, skipping))} only; "
                     f"rank {', '.join(map(str, others))} did not skip)"
                 )
-            path, lineno, _ = item.location
+            _path, lineno, _ = item.location
             if (
                 base is not None
                 and base.skipped

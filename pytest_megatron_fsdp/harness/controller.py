@@ -17,13 +17,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import pytest
 
-from . import coexist, flight_recorder, protocol, warnings_relay, xdist_queue
+from ..environment import DistributedSpec
+from . import coexist, protocol, pytest_compat, warnings_relay, xdist_queue
 from .agreement import headlined_failure
-from .launcher import PostMortem, RankSet, describe_exit
+from .explain import abnormal_exits, death_text, note_attempts
+from .launcher import RankSet
 from .protocol import log_dir, spec_of
 
 #: seconds a fresh rank set may spend starting (imports, rendezvous) before its first test counts
@@ -36,15 +38,24 @@ EXIT_WAIT_S = 60.0
 
 
 class Controller:
-    """The plain-mode parent's controller (registered as ``mfsdp-controller`` through
-    ``roles.ParentPlugin``, which adds the session's plan around it)."""
+    """The plain-mode parent's controller: rank sets started, given their batches, watched and
+    closed. A plain object with no pytest hooks: the parent's role plugin (``roles.parent``) holds
+    one and calls it from its hooks (:meth:`prestart`, :meth:`plan_first_batch`, :meth:`hosts`,
+    :meth:`run`, :meth:`close_all`)."""
 
     def __init__(
-        self, config: pytest.Config, forwarded_args: list[str], explicit_log_dir: str | None
+        self,
+        config: pytest.Config,
+        forwarded_args: list[str],
+        explicit_log_dir: str | None,
+        before_launch: Callable[[], None] | None = None,
     ) -> None:
         """``forwarded_args``: the plugin's own options as the user gave them, for the ranks' pytest
-        (the platform is added per world size); ``explicit_log_dir``: ``--mfsdp-log-dir``."""
+        (the platform is added per world size); ``explicit_log_dir``: ``--mfsdp-log-dir``;
+        ``before_launch``: called before each rank set is launched (the parent installs its signal
+        handlers with the first)."""
         self.config = config
+        self._before_launch = before_launch
         self._forwarded_args = list(forwarded_args)
         self._explicit_log_dir = explicit_log_dir
         #: the platform each world size runs on, decided once per session (see plan_platforms)
@@ -69,11 +80,11 @@ class Controller:
         if self._prestart_decided:
             return
         self._prestart_decided = True
-        if self.config.option.collectonly or self._in_xdist_worker():
+        if self.config.option.collectonly or self.in_xdist_worker():
             return
-        self.active[world_size] = self._launch(world_size)
+        self.active[world_size] = self._new_rank_set(world_size)
 
-    def _in_xdist_worker(self) -> bool:
+    def in_xdist_worker(self) -> bool:
         return hasattr(self.config, "workerinput")
 
     def plan_first_batch(self, distributed: list[pytest.Item]) -> None:
@@ -88,13 +99,18 @@ class Controller:
         if self.config.option.collectonly or not runnable:
             self.close_all()
             return
-        if self._in_xdist_worker():
+        if self.in_xdist_worker():
             return  # which tests this worker runs comes later, one by one: batches start with them
-        world_size = spec_of(runnable[0]).world_size
+        world_size = _hosted_spec(runnable[0]).world_size
         for other in [w for w in self.active if w != world_size]:
             self._close(other)
         if world_size not in self.active:
-            self._launch(world_size)
+            self._new_rank_set(world_size)
+
+    def _new_rank_set(self, world_size: int) -> RankSet:
+        if self._before_launch is not None:
+            self._before_launch()
+        return self._launch(world_size)
 
     def _launch(self, world_size: int) -> RankSet:
         self._batches += 1
@@ -125,7 +141,7 @@ class Controller:
         ]
         files = list(dict.fromkeys(str(i.path) for i in batch))
         rank_set.assign(
-            [(i.nodeid, spec_of(i).timeout_s) for i in batch], files, self._pytest_args(world_size)
+            [(i.nodeid, _hosted_spec(i).timeout_s) for i in batch], files, self._pytest_args(world_size)
         )
         self.active[world_size] = rank_set
         self.remaining[world_size] = [i.nodeid for i in batch]
@@ -139,18 +155,19 @@ class Controller:
             return self._assign(item, world_size, current)  # launched at collection, warmed up
         if current is not None:
             self._close(world_size)
-        return self._assign(item, world_size, self._launch(world_size))
+        return self._assign(item, world_size, self._new_rank_set(world_size))
 
     def plan_gpu_slice(self) -> str | None:
         """In a pytest-xdist worker whose session runs tests on CUDA: this worker's GPUs, a slice
         as large as the biggest CUDA world size (None elsewhere). Too few GPUs is a usage error."""
         cuda = [w for w, p in self.platforms.items() if p == "cuda"]
-        if not cuda or not self._in_xdist_worker():
+        if not cuda or not self.in_xdist_worker():
             return None
         from . import gpu_slices
 
-        workers = int(self.config.workerinput["workercount"])
-        index = gpu_slices.worker_index(self.config.workerinput["workerid"], workers)
+        workerinput = cast(Any, self.config).workerinput  # pytest-xdist's, set on a worker's config
+        workers = int(workerinput["workercount"])
+        index = gpu_slices.worker_index(workerinput["workerid"], workers)
         devices = gpu_slices.worker_slice(gpu_slices.device_ids(), workers, index, max(cuda))
         self.gpu_slice = ",".join(devices)
         return self.gpu_slice
@@ -195,27 +212,14 @@ class Controller:
 
     # -- running ------------------------------------------------------------------------------------
 
-    def _runs(self, item: pytest.Item) -> bool:
+    def hosts(self, item: pytest.Item) -> bool:
         """Whether this controller runs ``item`` (a distributed test this machine hosts)."""
         return spec_of(item) is not None and UNHOSTABLE not in item.stash
 
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
-        """pytest-timeout: no timer of its own around a distributed test here. The controller owns
-        that test's deadline (its timeout, pytest-timeout's settings among the sources: see
-        ``options.value_of``); a SIGALRM in its wait would end the session, a timer thread's
-        ``os._exit`` would leave the rank set running."""
-        return True if self._runs(item) else None
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
-        return True if isinstance(item, pytest.Item) and self._runs(item) else None
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        if not self._runs(item):
-            return None  # plain tests, and tests skipped for want of GPUs, run as usual
-        spec = spec_of(item)
+    def run(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """Run ``item`` (one it :meth:`hosts`) in its rank set, with its reruns, and log its reports
+        here as pytest's runner would (logstart, the reports, logfinish)."""
+        spec = _hosted_spec(item)
         world_size = spec.world_size
         rank_set = self._rank_set_for(item, world_size)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
@@ -227,7 +231,7 @@ class Controller:
             if attempt > 1:
                 _sleep(filters.delay(attempt - 1))
                 rank_set = self._fresh_rank_set(item, world_size)
-            item.execution_count = attempt  # as pytest-rerunfailures counts (its --fail-on-flaky reads it)
+            item.execution_count = attempt  # type: ignore[attr-defined]  # as pytest-rerunfailures counts (its --fail-on-flaky reads it)
             started = _clock()
             try:
                 reports = self._collect_reports(item, rank_set)
@@ -236,7 +240,7 @@ class Controller:
                 # with what its ranks had logged, its rank set is killed, and pytest then ends the
                 # session as interrupted, writing JUnit XML and the report for every finished test.
                 rank_set.kill()
-                reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + _death(
+                reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + death_text(
                     rank_set.post_mortem(),
                     spec.timeout_s,
                     interrupted=True,
@@ -246,13 +250,16 @@ class Controller:
                 item.ihook.pytest_runtest_logreport(report=report)
                 item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
                 raise
-            if any(getattr(r, "mfsdp_rank_set_stopped", False) for r in reports):
-                # its ranks could not go on together (a process group not rebuilt after a failure):
-                # they end after this test, and the rest of the batch runs in a fresh rank set
-                if self.active.get(world_size) is rank_set:
-                    self._close(world_size)
+            # its ranks could not go on together (a process group not rebuilt after a failure):
+            # they end after this test, and the rest of the batch runs in a fresh rank set
+            if (
+                any(getattr(r, "mfsdp_rank_set_stopped", False) for r in reports)
+                and self.active.get(world_size) is rank_set
+            ):
+                self._close(world_size)
             for report in reports:
-                report.rerun = attempt - 1  # pytest-rerunfailures' attribute: its summary lists the attempts
+                # pytest-rerunfailures' attribute: its summary lists the attempts
+                report.rerun = attempt - 1  # type: ignore[attr-defined]
             failed = next((r for r in reports if r.failed), None)
             if failed is None or attempt == attempts:
                 break
@@ -264,11 +271,12 @@ class Controller:
                 if report is failed:
                     # as pytest-rerunfailures reports it: "R", counted as "rerun", not as a failure
                     report.outcome = "rerun"  # type: ignore[assignment]
-                    report.mfsdp_attempt = attempt
+                    report.mfsdp_attempt = attempt  # type: ignore[attr-defined]
                 item.ihook.pytest_runtest_logreport(report=report)
         if failures:
-            _note_attempts(reports, failures, attempts)
+            note_attempts(reports, failures, attempts)
         if declined is not None:
+            assert failed is not None  # only a failure is declined
             failed.sections.append(("megatron-fsdp: not rerun", declined))
         reports += self._teardown_local_state(item, nextitem)
         for report in reports:
@@ -279,7 +287,6 @@ class Controller:
             del remaining[: remaining.index(item.nodeid) + 1]
             if not remaining:
                 self._finish_batch(world_size)
-        return True
 
     def _fresh_rank_set(self, item: pytest.Item, world_size: int) -> RankSet:
         """A new rank set for another attempt at ``item`` (and the rest of its batch after it).
@@ -289,22 +296,7 @@ class Controller:
         That set is killed, also part-way through a later test it had run ahead to.
         """
         self._close(world_size)
-        return self._assign(item, world_size, self._launch(world_size))
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, Any] | None:
-        if report.outcome == "rerun":
-            return "rerun", "R", ("RERUN", {"yellow": True})
-        return None
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self._in_xdist_worker():
-            return  # the xdist controller shows the reports its workers send
-        lines = rerun_summary([r for reports in terminalreporter.stats.values() for r in reports])
-        if lines:
-            terminalreporter.write_sep("=", "megatron-fsdp reruns")
-            for line in lines:
-                terminalreporter.write_line(line)
+        return self._assign(item, world_size, self._new_rank_set(world_size))
 
     def _teardown_local_state(
         self, item: pytest.Item, nextitem: pytest.Item | None
@@ -314,7 +306,7 @@ class Controller:
         own teardown ran in its ranks, but this process's setup state must still move on, or the
         next local test in another module finds the previous one 'not torn down properly'."""
         call = pytest.CallInfo.from_call(
-            lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown"
+            lambda: pytest_compat.teardown_local_state(item, nextitem), when="teardown"
         )
         if call.excinfo is None:
             return []
@@ -349,7 +341,7 @@ class Controller:
     def _collect_reports(self, item: pytest.Item, rank_set: RankSet) -> list[pytest.TestReport]:
         """The test's reports as its rank set sends them; a failure of the phase it had reached when
         the rank set went wrong (died, hung, ran or collected something else)."""
-        spec = spec_of(item)
+        spec = _hosted_spec(item)
         timeout = spec.timeout_s
         startup = STARTUP_ALLOWANCE_S if rank_set.tests_finished == 0 else 0.0
         #: since when the test counts as running (its ranks' start; until then, this wait's)
@@ -370,7 +362,7 @@ class Controller:
                     failure = self._failure(
                         item, rank_set, watch.phase(), watch.problem, watch.elapsed(since), RANK_DEATH
                     )
-                    return watch.reports + [failure]
+                    return [*watch.reports, failure]
                 if watch.started and not started:
                     since = _clock()
                     deadline = since + timeout + KILL_GRACE_S
@@ -386,18 +378,18 @@ class Controller:
                     continue  # the last words arrived with the exit
                 post_mortem = rank_set.post_mortem()
                 kind = TIMEOUT if post_mortem.timed_out else RANK_DEATH
-                reason = _death(post_mortem, timeout, timeout_source=spec.timeout_source)
+                reason = death_text(post_mortem, timeout, timeout_source=spec.timeout_source)
                 failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), kind)
-                return watch.reports + [failure]
+                return [*watch.reports, failure]
             if _clock() > deadline:
                 rank_set.dump_stacks()
                 _sleep(1.0)
                 rank_set.kill()
-                reason = _death(
+                reason = death_text(
                     rank_set.post_mortem(), timeout, killed_after=timeout, timeout_source=spec.timeout_source
                 )
                 failure = self._failure(item, rank_set, watch.phase(), reason, watch.elapsed(since), TIMEOUT)
-                return watch.reports + [failure]
+                return [*watch.reports, failure]
             _sleep(0.05)
 
     def _failure(
@@ -415,7 +407,7 @@ class Controller:
             keywords={k: 1 for k in item.keywords},
             outcome="failed",
             longrepr=headlined_failure(item, reason),
-            when=when,
+            when=cast(Literal["setup", "call", "teardown"], when),
             sections=[],
             duration=max(duration, 0.0),
             user_properties=list(item.user_properties),
@@ -528,137 +520,8 @@ def _declines_rerun(
     return None
 
 
-def _death(
-    post_mortem: PostMortem,
-    timeout: float,
-    killed_after: float | None = None,
-    interrupted: bool = False,
-    timeout_source: str | None = None,
-) -> str:
-    """:func:`describe_death`, with who is stuck where from the ranks' flight-recorder dumps
-    (written as they timed out) when the test timed out."""
-    collectives = None
-    if post_mortem.timed_out or killed_after is not None:
-        collectives = flight_recorder.section(post_mortem.log_dir, post_mortem.world_size, time.time_ns())
-    return describe_death(post_mortem, timeout, killed_after, interrupted, collectives, timeout_source)
-
-
-def describe_death(
-    post_mortem: PostMortem,
-    timeout: float,
-    killed_after: float | None = None,
-    interrupted: bool = False,
-    collectives: list[str] | None = None,
-    timeout_source: str | None = None,
-) -> str:
-    """Why the rank set ended before the test did, with each rank's stacks or log tail.
-
-    ``killed_after``: the parent killed it after the test's timeout; ``interrupted``: the session
-    was interrupted; ``collectives``: the flight-recorder section of a timeout; ``timeout_source``:
-    where the timeout came from (a source label of ``--mfsdp-timeout``'s chain), said under the
-    headline of a timeout.
-    """
-    pm = post_mortem
-    lines: list[str] = []
-    if pm.timed_out or killed_after is not None:
-        lines.append(
-            f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
-            "and the rank set was killed"
-        )
-        if timeout_source is not None:
-            lines.append(f"timeout {timeout:g} s (from {timeout_source})")
-        lines += collectives or []
-    died = pm.died()
-    if died and not pm.timed_out:
-        first, code = died[0]
-        cause = pm.internal_errors.get(first)
-        lines.append(
-            f"rank {first} died ({describe_exit(code)}"
-            + (f": a pytest internal error in the rank: {cause})" if cause else ")")
-        )
-        for r, other in died[1:]:
-            lines.append(
-                f"rank {r} then ended ({describe_exit(other)}; stopped by torchrun after rank {first})"
-            )
-    if not lines and not interrupted:
-        lines.append(f"the rank set ended unexpectedly ({describe_exit(pm.returncode or 0)})")
-    for r in range(pm.world_size):
-        lines.append(f"---------- rank {r} (log: {pm.log_path(r)}) ----------")
-        lines.append(pm.excerpts.get(r, ""))
-    lines.append(f"---------- torchrun output (tail; whole: {pm.output_path}) ----------")
-    lines.append(pm.output_tail.rstrip())
-    return "\n".join(lines)
-
-
-#: a rank's pytest exit code that says only "some tests failed": those failures are reported already
-_TESTS_FAILED = 1
-#: how torchrun stops the other ranks once one has exited non-zero
-_STOPPED_BY_TORCHRUN = -int(signal.SIGTERM)
-
-
-def abnormal_exits(post_mortem: PostMortem) -> str:
-    """Why a rank set's non-zero exit after its last test is worth a note ("" when it is not).
-
-    A rank's pytest exits 1 when any of its tests failed, and torchrun then stops the other ranks
-    (SIGTERM) and exits non-zero itself: the normal end of a batch with failures, which the test
-    reports already show. Anything else (an internal error, another signal, a rank set with no
-    rank exit codes in torchrun's output) is not.
-    """
-    # pytest's own exit status where a rank left one (the set may end before torchrun reports
-    # anything), else what torchrun's summary says about the rank
-    exits = {**post_mortem.exits, **post_mortem.exit_statuses}
-    described = ", ".join(f"rank {rank}: {describe_exit(code)}" for rank, code in sorted(exits.items()))
-    if not exits:
-        return f"torchrun {describe_exit(post_mortem.returncode or 0)}, no rank exit codes in its output"
-    codes = set(exits.values())
-    if _TESTS_FAILED in codes and codes <= {_TESTS_FAILED, _STOPPED_BY_TORCHRUN}:
-        return ""
-    return described
-
-
-def _note_attempts(
-    reports: list[pytest.TestReport], failures: list[tuple[str, pytest.TestReport]], attempts: int
-) -> None:
-    """The last attempt's reports say how many attempts it took; the earlier failures become
-    sections of its failing report (or of its call report when it passed)."""
-    final = next((r for r in reports if r.failed), None)
-    if final is None:
-        final = next((r for r in reports if r.when == "call"), reports[-1])
-    for number, (rank_set, failed) in enumerate(failures, 1):
-        final.sections.append(
-            (
-                f"megatron-fsdp: attempt {number} of {attempts} failed ({failed.when}; rank set {rank_set})",
-                failed.longreprtext,
-            )
-        )
-    for report in reports:
-        report.mfsdp_attempts = len(failures) + 1
-        report.mfsdp_max_attempts = attempts
-
-
-def rerun_summary(reports: list[Any]) -> list[str]:
-    """One line per test that was rerun: flaky (passed on a rerun) or failed on every attempt."""
-    outcome: dict[str, tuple[bool, int, int]] = {}
-    for report in reports:
-        attempts = getattr(report, "mfsdp_attempts", None)
-        if not isinstance(report, pytest.TestReport) or attempts is None:
-            continue
-        failed = report.failed or outcome.get(report.nodeid, (False, 0, 0))[0]
-        outcome[report.nodeid] = (failed, attempts, report.mfsdp_max_attempts)
-    lines = []
-    for nodeid, (failed, attempts, max_attempts) in outcome.items():
-        if failed:
-            lines.append(f"FAILED {nodeid}: failed all {attempts} attempts, each in a fresh rank set")
-        else:
-            lines.append(
-                f"FLAKY {nodeid}: passed on attempt {attempts} of {max_attempts}, in a fresh rank set; "
-                "the earlier failures are sections of its report (-rP shows them)"
-            )
-    return lines
-
-
 def _report_from_event(config: pytest.Config, data: dict[str, Any]) -> pytest.TestReport:
-    report = config.hook.pytest_report_from_serializable(config=config, data=data)
+    report: pytest.TestReport = config.hook.pytest_report_from_serializable(config=config, data=data)
     if report.skipped and isinstance(report.longrepr, list):
         report.longrepr = tuple(report.longrepr)  # JSON has no tuples; pytest wants (path, line, reason)
     return report
@@ -678,7 +541,14 @@ def _not_collected(nodeid: str, event: protocol.Collected) -> str:
     )
 
 
-_SESSION_ITEMS = pytest.StashKey[list]()
+def _hosted_spec(item: pytest.Item) -> DistributedSpec:
+    """The spec of a distributed test (one the controller was given: it has one)."""
+    spec = spec_of(item)
+    assert spec is not None, item.nodeid
+    return spec
+
+
+_SESSION_ITEMS = pytest.StashKey[list[pytest.Item]]()
 #: set on a distributed test this machine cannot host (too few GPUs): it is skipped, not launched
 UNHOSTABLE = pytest.StashKey[str]()
 
@@ -702,7 +572,7 @@ def plan_platforms(controller: Controller, requested: str, items: list[pytest.It
     from .platform import PlatformError, select_platform, visible_gpu_count
 
     lines = []
-    for world_size in sorted({spec_of(i).world_size for i in items}):
+    for world_size in sorted({_hosted_spec(i).world_size for i in items}):
         try:
             choice = select_platform(requested, world_size)
         except PlatformError as exc:
@@ -713,7 +583,7 @@ def plan_platforms(controller: Controller, requested: str, items: list[pytest.It
                 f"needs {world_size} GPUs (world_size={world_size}, --mfsdp-platform=cuda); {gpus} visible"
             )
             for i in items:
-                if spec_of(i).world_size == world_size:
+                if _hosted_spec(i).world_size == world_size:
                     i.stash[UNHOSTABLE] = reason
                     i.add_marker(pytest.mark.skip(reason=reason))
             lines.append(f"world_size={world_size}: skipped ({exc})")
@@ -737,7 +607,6 @@ def install_signal_handlers(controller: Controller) -> Callable[[], None]:
     unconfigure kills every rank set. A second SIGTERM or SIGINT kills the rank sets and exits at once.
     Returns the function that puts the previous handlers back (at unconfigure).
     """
-    import signal
 
     received: list[int] = []
 

@@ -8,7 +8,6 @@ rank stuck in a collective ignores gentler signals).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import re
@@ -19,15 +18,15 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import flight_recorder
+from .explain import OUTPUT_TAIL_CHARS, PostMortem, internal_error, log_excerpt
 from .protocol import (
     BATCH_FILE_FLAG,
     REPORT_FILE_FLAG,
     TIMEOUT_BANNER,
-    TIMEOUT_EXIT_CODE,
     Event,
     decode_event,
     write_batch,
@@ -223,10 +222,8 @@ class RankSet:
             _signal(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError, PermissionError):  # torchrun already gone
             os.killpg(self.proc.pid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # pragma: no cover - SIGKILL is not ignorable
             self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
-            pass
 
     def wait(self, timeout: float) -> int | None:
         """The set's exit status once its ranks are done (None: still running after ``timeout``).
@@ -240,21 +237,19 @@ class RankSet:
         while True:
             if self.exited():
                 return self.proc.returncode
-            codes = self.rank_exit_statuses()
+            codes = self.pytest_exit_statuses()
             if len(codes) == self.world_size and not self.rank_pids():
                 return next((c for c in codes.values() if c != 0), 0)
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.02)
 
-    def rank_exit_statuses(self) -> dict[int, int]:
+    def pytest_exit_statuses(self) -> dict[int, int]:
         """pytest's exit status of each rank that left one (rank -> status)."""
         codes = {}
         for rank in range(self.world_size):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 codes[rank] = int(exit_status_path(self._argv_path, rank).read_text())
-            except (OSError, ValueError):
-                pass
         return codes
 
     def close(self) -> None:
@@ -270,7 +265,7 @@ class RankSet:
 
     # -- explaining ---------------------------------------------------------------------------------
 
-    def rank_exits(self) -> tuple[dict[int, int], int | None]:
+    def torchrun_failure_summary(self) -> tuple[dict[int, int], int | None]:
         """(exit code per failed rank, the root-cause rank) from torchrun's failure summary."""
         text = self.output()
         exits = {int(r): int(c) for r, c in _FAILURE_ENTRY.findall(text)}
@@ -283,14 +278,14 @@ class RankSet:
 
     def post_mortem(self) -> PostMortem:
         """What is known of how this rank set ended (or stands, when it still runs), read once."""
-        exits, root = self.rank_exits()
+        exits, root = self.torchrun_failure_summary()
         logs = {r: self.rank_log(r) for r in range(self.world_size)}
         return PostMortem(
             world_size=self.world_size,
             returncode=self.proc.returncode,
             exits=exits,
             root=root,
-            exit_statuses=self.rank_exit_statuses(),
+            exit_statuses=self.pytest_exit_statuses(),
             timed_out=[r for r, log in logs.items() if TIMEOUT_BANNER in log],
             excerpts={r: log_excerpt(log) for r, log in logs.items()},
             internal_errors={r: cause for r, log in logs.items() if (cause := internal_error(log))},
@@ -298,108 +293,6 @@ class RankSet:
             output_tail=self.output()[-OUTPUT_TAIL_CHARS:],
             output_path=self.output_path,
         )
-
-
-#: how much of torchrun's output a post-mortem keeps (its end)
-OUTPUT_TAIL_CHARS = 2500
-#: how much of a rank's log a post-mortem keeps when the log has no landmark to start from
-LOG_TAIL_CHARS = 3000
-
-
-#: how pytest prefixes each line of an internal error's traceback
-INTERNAL_ERROR_PREFIX = "INTERNALERROR> "
-#: how many of an internal error's last traceback lines a post-mortem keeps: the frames above them
-#: are pytest's and pluggy's hook calls, the same every time (the whole traceback stays in the log)
-INTERNAL_ERROR_LINES = 16
-
-
-def log_excerpt(log: str) -> str:
-    """The part of a rank's log that explains its end: from its timeout banner, else from a fatal
-    signal's dump, else from a stack dump the parent asked for, else the current test's part, else
-    the log's tail; an internal error's traceback shortened to its end."""
-    start = log.find(TIMEOUT_BANNER)
-    if start < 0:
-        start = log.find("Fatal Python error")  # faulthandler on SIGSEGV, SIGABRT, ...
-    if start < 0:
-        start = log.find("Thread 0x")  # a dump on SIGUSR1 from the parent's watchdog
-    if start < 0:
-        start = log.rfind("START ")  # this test's part of the log
-    return _shorten_internal_errors(log[start:] if start >= 0 else log[-LOG_TAIL_CHARS:]).rstrip()
-
-
-def _shorten_internal_errors(text: str) -> str:
-    kept: list[str] = []
-    for is_error, group in itertools.groupby(
-        text.splitlines(), key=lambda line: line.startswith(INTERNAL_ERROR_PREFIX.rstrip())
-    ):
-        lines = list(group)
-        if is_error and len(lines) > INTERNAL_ERROR_LINES:
-            left_out = len(lines) - INTERNAL_ERROR_LINES
-            kept.append(f"{INTERNAL_ERROR_PREFIX}[{left_out} lines of hook calls left out: see the log]")
-            lines = lines[-INTERNAL_ERROR_LINES:]
-        kept += lines
-    return "\n".join(kept)
-
-
-def internal_error(log: str) -> str | None:
-    """The exception of the last pytest internal error in a rank's log (its traceback's last line),
-    or None: what a rank that exited with pytest's INTERNAL_ERROR status died of."""
-    lines = [
-        line[len(INTERNAL_ERROR_PREFIX) :]
-        for line in log.splitlines()
-        if line.startswith(INTERNAL_ERROR_PREFIX)
-    ]
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if not starts:
-        return None
-    # after the last traceback's frames (indented), the exception's first line (not indented)
-    return next(
-        (line.strip() for line in lines[starts[-1] + 1 :] if line.strip() and not line.startswith(" ")), None
-    )
-
-
-@dataclass(frozen=True)
-class PostMortem:
-    """How a rank set ended, as plain data: what the controller formats into a failure or a note."""
-
-    world_size: int
-    #: torchrun's exit status (None: it had not exited when this was read)
-    returncode: int | None
-    #: exit code per failed rank, from torchrun's failure summary
-    exits: dict[int, int] = field(default_factory=dict)
-    #: the rank torchrun's summary names as the root cause
-    root: int | None = None
-    #: pytest's exit status per rank that left one (rank_entry)
-    exit_statuses: dict[int, int] = field(default_factory=dict)
-    #: ranks whose watchdog ended them (the timeout banner is in their log)
-    timed_out: list[int] = field(default_factory=list)
-    #: per rank, the part of its log that explains its end (see log_excerpt)
-    excerpts: dict[int, str] = field(default_factory=dict)
-    #: per rank whose log has a pytest internal error, its exception (see internal_error)
-    internal_errors: dict[int, str] = field(default_factory=dict)
-    log_dir: Path = Path()
-    #: torchrun's output, its end
-    output_tail: str = ""
-    output_path: Path = Path()
-
-    def died(self) -> list[tuple[int, int]]:
-        """(rank, exit code) of the ranks that died, not ended by their watchdog: the first failing
-        rank first (the root cause torchrun names, else the lowest rank), then the others."""
-        died = {r: c for r, c in self.exits.items() if c != TIMEOUT_EXIT_CODE}
-        order = ([self.root] if self.root in died else []) + sorted(r for r in died if r != self.root)
-        return [(r, died[r]) for r in order]
-
-    def log_path(self, rank: int) -> Path:
-        return self.log_dir / f"rank{rank}.log"
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

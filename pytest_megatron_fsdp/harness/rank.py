@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -24,15 +25,16 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TextIO, cast
 
 import pytest
-from _pytest.runner import runtestprotocol
 
-from . import coexist, flight_recorder, protocol, warnings_relay
+from . import coexist, flight_recorder, protocol, pytest_compat, warnings_relay
 from .agreement import headlined_failure, merge_reports, summarise
 from .held_terminal import HELD_TERMINAL
 from .protocol import (
@@ -58,9 +60,25 @@ from .session import (
 PEER_DUMP_GRACE_S = 5.0
 
 
-class RankPlugin:
-    """What every torchrun rank does (registered as ``mfsdp-rank`` through ``roles``: a launched
-    rank's or a torchrun-mode rank's plugin, each one of these)."""
+@dataclass(frozen=True)
+class RankDuties:
+    """What a rank does that depends on who reports its session: its parent (a launched rank set)
+    or its own rank 0 (a torchrun session or srun step the user started). The role that holds the
+    :class:`RankRunner` chooses them."""
+
+    #: rank 0 reports to the user's terminal, and a rank whose test timed out writes its stacks and
+    #: the ranks' aligned collectives there (else a parent reports everything from the logs)
+    reports_itself: bool
+    #: the tests' warnings go to the parent (unless -p no:warnings)
+    relays_warnings: bool
+    #: what becomes of the session when a rank cannot go on with its peers (said in the failure)
+    when_it_cannot_go_on: str
+
+
+class RankRunner:
+    """What every torchrun rank does around its tests: its log, the collection check, the watchdog,
+    the outcome exchange, the events to a parent. A plain object with no pytest hooks: a rank's role
+    plugin (``roles.ranks``) holds one and calls it from its hooks."""
 
     def __init__(
         self,
@@ -68,21 +86,21 @@ class RankPlugin:
         torchrun: TorchrunEnv,
         log_dir: Callable[[], Path],
         agreement_timeout_s: float,
-        default_timeout_s: float,
+        default_timeout: Callable[[pytest.Item], float],
+        duties: RankDuties,
         distributed_logs: bool = False,
         private_temp: Path | None = None,
-        launched: bool = False,
     ) -> None:
+        """``default_timeout``: the timeout of a test neither the parent's batch nor its marker
+        gives one (a test without the marker in a torchrun rank session)."""
         self.config = config
         self.torchrun = torchrun
         self.rank = torchrun.rank
         self._log_dir = log_dir
         #: seconds the ranks wait for each other's collection (the process-group timeout)
         self._agreement_timeout_s = agreement_timeout_s
-        #: for tests without the marker that run in this rank session (torchrun mode)
-        self._default_timeout_s = default_timeout_s
-        #: a rank of a set the plain-mode parent launched (else a torchrun-mode rank)
-        self.launched = launched
+        self._default_timeout = default_timeout
+        self.duties = duties
         self._report_file = config.getoption(REPORT_FILE_DEST)
         #: the parent's resolved timeout per test (launched rank sets only)
         self._batch_timeouts: dict[str, float] = {}
@@ -94,13 +112,15 @@ class RankPlugin:
         #: torchrun mode: this rank's own temp tree, removed at unconfigure (or by the watchdog)
         self._private_temp = private_temp
         #: a launched rank set sends its tests' warnings to the parent (unless -p no:warnings)
-        self._relay_warnings = self.launched and warnings_relay.active(config)
+        self._relay_warnings = duties.relays_warnings and warnings_relay.active(config)
         #: the current test's warnings, every rank's merged (set by _exchange_outcomes)
         self._test_warnings: list[dict[str, Any]] = []
 
-    def pytest_configure(self, config: pytest.Config) -> None:
-        # Called as this plugin is registered, from the main plugin's trylast pytest_configure:
-        # the cache dir (the default log dir) and the terminal reporter exist by then.
+    def open_log(self, config: pytest.Config) -> None:
+        """The rank's log, fault handlers and event stream; its terminal report to the log where
+        another process reports. Called from the role plugin's ``pytest_configure``, as it is
+        registered from the main plugin's trylast pytest_configure: the cache dir (the default log
+        dir) and the terminal reporter exist by then."""
         log_dir = self._log_dir()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"rank{self.rank}.log"
@@ -123,10 +143,12 @@ class RankPlugin:
             f"rank {self.rank} of {self.torchrun.world_size} (local rank {self.torchrun.local_rank}), "
             f"pid {os.getpid()}"
         )
-        if self.rank != 0 or self.launched:
+        if self.rank != 0 or not self.duties.reports_itself:
             self._quiet_terminal(config)
 
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
+    def quiet_distributed_logs(self) -> None:
+        """Filter torch.distributed's DEBUG/INFO records out of pytest's log handlers (unless
+        ``--mfsdp-distributed-logs``)."""
         if self._distributed_logs:
             return
         # pytest's handlers for captured logs (and live/file logging): records reach them from any
@@ -148,8 +170,6 @@ class RankPlugin:
 
     def _quiet_terminal(self, config: pytest.Config) -> None:
         """This rank's terminal report goes to its log file (rank 0's reaches the user)."""
-        from _pytest.terminal import TerminalReporter
-
         old = config.pluginmanager.get_plugin("terminalreporter")
         if old is None:
             return
@@ -161,7 +181,8 @@ class RankPlugin:
             old._tw.hasmarkup = False
         else:
             config.pluginmanager.unregister(old)
-            config.pluginmanager.register(TerminalReporter(config, self.log), "terminalreporter")
+            quiet = pytest_compat.TerminalReporter(config, cast(TextIO, self.log))
+            config.pluginmanager.register(quiet, "terminalreporter")
         if config.getoption("capture") == "no":
             # Nothing captures this rank's output, so point its stdout/stderr at the log too.
             sys.stdout.flush()
@@ -170,7 +191,7 @@ class RankPlugin:
             os.dup2(self.log.fileno(), 1)
             os.dup2(self.log.fileno(), 2)
 
-    def pytest_unconfigure(self, config: pytest.Config) -> None:
+    def close_log(self) -> None:
         if not hasattr(self, "log"):
             return
         faulthandler.unregister(signal.SIGUSR1)
@@ -183,8 +204,7 @@ class RankPlugin:
 
     # -- collection ---------------------------------------------------------------------------------
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+    def select_batch(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         """In a rank set the plugin launched: exactly the parent's batch, in the parent's order."""
         batch_file = config.getoption(BATCH_FILE_DEST)
         if batch_file is None:
@@ -203,15 +223,16 @@ class RankPlugin:
     def check_same_collection(self, session: pytest.Session, rank_session: RankSession) -> None:
         """All ranks run the same tests in the same order, or none runs anything."""
         mine = [item.nodeid for item in session.items]
-        store = rank_session.store
         seed = coexist.randomly_seed(self.config)
-        store.set(f"collect/{self.rank}", json.dumps({"nodeids": mine, "randomly_seed": seed}))
-        keys = [f"collect/{r}" for r in range(self.torchrun.world_size)]
-        store.wait(keys, datetime.timedelta(seconds=self._agreement_timeout_s))
-        first = json.loads(store.get("collect/0"))
+        collected = rank_session.exchange(
+            "collect",
+            json.dumps({"nodeids": mine, "randomly_seed": seed}),
+            datetime.timedelta(seconds=self._agreement_timeout_s),
+        )
+        first = json.loads(collected[0])
         reference = first["nodeids"]
         for rank in range(1, self.torchrun.world_size):
-            data = json.loads(store.get(f"collect/{rank}"))
+            data = json.loads(collected[rank])
             theirs = data["nodeids"]
             if theirs == reference:
                 continue
@@ -237,23 +258,19 @@ class RankPlugin:
         if item.nodeid in self._batch_timeouts:
             return self._batch_timeouts[item.nodeid]
         spec = spec_of(item)
-        return spec.timeout_s if spec is not None else self._default_timeout_s
+        return spec.timeout_s if spec is not None else self._default_timeout(item)
 
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
-        """pytest-timeout: no timer of its own around a test the watchdog times (every test of a rank
-        session). Its SIGALRM would fail the test on this rank alone, mid-collective, and its timer
-        thread would end this rank alone, each at a time of its own (an ini ``timeout`` reaches every
-        rank a parent launches); the watchdog ends every rank at the test's one timeout, in which
-        pytest-timeout's settings are a source (``options.value_of``)."""
-        return True if self.config.stash.get(RANK_SESSION, None) is not None else None
+    def times_its_tests(self) -> bool:
+        """Whether the watchdog times every test here (a rank session runs), so pytest-timeout sets
+        no timer of its own. Its SIGALRM would fail the test on this rank alone, mid-collective, and
+        its timer thread would end this rank alone, each at a time of its own (an ini ``timeout``
+        reaches every rank a parent launches); the watchdog ends every rank at the test's one
+        timeout, in which pytest-timeout's settings are a source (``options.value_of``)."""
+        return self.config.stash.get(RANK_SESSION, None) is not None
 
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_timeout_cancel_timer(self, item: Any) -> bool | None:
-        return True if self.config.stash.get(RANK_SESSION, None) is not None else None
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    def run(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        """Run ``item`` with the other ranks and log the agreed reports (None: no rank session, the
+        test runs as pytest runs it)."""
         rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
         if rank_session is None:
             return None
@@ -265,8 +282,11 @@ class RankPlugin:
         self._event(protocol.Started(nodeid=item.nodeid))
         deadline = time.monotonic() + timeout
         with self._watchdog(item.nodeid, timeout):
-            with warnings_relay.capture() if self._relay_warnings else nullcontext([]) as caught:
-                reports = runtestprotocol(item, nextitem=nextitem, log=False)
+            relay: AbstractContextManager[list[warnings.WarningMessage]] = (
+                warnings_relay.capture() if self._relay_warnings else nullcontext([])
+            )
+            with relay as caught:
+                reports = pytest_compat.runtestprotocol(item, nextitem=nextitem, log=False)
                 self._check_after_test(item, reports, rank_session)
             try:
                 merged = self._exchange_outcomes(
@@ -292,12 +312,7 @@ class RankPlugin:
         """The test's reports when this rank cannot go on with its peers (they are gone, or the
         process group could not be rebuilt): it fails with ``why`` (this rank's own failure, if any,
         follows), and the session stops after it: no later test can have every rank."""
-        stops = (
-            "this rank set stops; the later tests run in a fresh one"
-            if self.launched
-            else "the session stops (every later test needs all ranks)"
-        )
-        message = f"megatron-fsdp: {why}; {stops}"
+        message = f"megatron-fsdp: {why}; {self.duties.when_it_cannot_go_on}"
         self._log(f"{item.nodeid}: {message}")
         if self.rank != 0:
             self._tell_terminal(f"{message} (rank {self.rank}, test {item.nodeid})")
@@ -308,7 +323,7 @@ class RankPlugin:
             item, message + (f"\n\nthis rank's own failure (rank {self.rank}):\n{own}" if own else "")
         )
         # rides on the report to a launching parent, which runs the rest of the batch in a fresh rank set
-        failed.mfsdp_rank_set_stopped = True
+        failed.mfsdp_rank_set_stopped = True  # type: ignore[attr-defined]
         item.session.shouldstop = message
         return reports
 
@@ -343,9 +358,12 @@ class RankPlugin:
             teardown.longrepr = found.longrepr
         self._log(f"after {item.nodeid}: {found.longreprtext}")
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Any:
-        report = yield
+    def review_report(
+        self, item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+    ) -> pytest.TestReport:
+        """A phase's report as this rank made it (from the role's ``pytest_runtest_makereport``):
+        logged at once when failed, the peers released; a teardown collective that only echoes a
+        released failure counts as done."""
         rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
         if (
             rank_session is not None
@@ -380,7 +398,7 @@ class RankPlugin:
             self._released = True
         return report
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+    def log_agreed(self, report: pytest.TestReport) -> None:
         if report.failed and self.config.stash.get(RANK_SESSION, None) is not None:
             # the agreed report (it quotes every failing rank); this rank's own failure was logged
             # by makereport as it happened
@@ -404,7 +422,7 @@ class RankPlugin:
                 shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
             if self._private_temp is not None:
                 shutil.rmtree(self._private_temp, ignore_errors=True)
-            if not self.launched:
+            if self.duties.reports_itself:
                 # torchrun mode: the terminal is the only place the user sees (a launched rank
                 # set's parent reports from the logs, and its torchrun output is only a tail)
                 self._release_terminal()
@@ -422,7 +440,7 @@ class RankPlugin:
                 except (OSError, ValueError):
                     pass
             self._await_peer_dumps(nodeid)
-            if not self.launched:
+            if self.duties.reports_itself:
                 self._align_collectives(nodeid)
             save_coverage()  # os._exit skips the atexit handler that would write it
             os._exit(TIMEOUT_EXIT_CODE)
@@ -453,10 +471,8 @@ class RankPlugin:
         capman = self.config.pluginmanager.get_plugin("capturemanager")
         if capman is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # the capture in another state: stderr stays as it is
             capman.suspend_global_capture(in_=False)
-        except Exception:  # noqa: BLE001 - the capture in another state: stderr stays as it is
-            pass
 
     def _await_peer_dumps(self, nodeid: str) -> None:
         """Stay until every rank has dumped for ``nodeid`` (bounded): torchrun stops the others as
@@ -511,13 +527,13 @@ class RankPlugin:
     ) -> list[pytest.TestReport]:
         """Exchange every rank's phase outcomes (and warnings) through the store; return the agreed
         reports (the warnings, merged, go to ``self._test_warnings``)."""
-        store = rank_session.store
         mine = {r.when: summarise(r) for r in reports}
         released, self._released = self._released, False
-        keys = [f"test/{index}/{r}" for r in range(self.torchrun.world_size)]
         try:
-            store.set(
-                keys[self.rank],
+            # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an
+            # srun step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
+            exchanged = rank_session.exchange(
+                f"test/{index}",
                 json.dumps(
                     {
                         "nodeid": item.nodeid,
@@ -526,15 +542,10 @@ class RankPlugin:
                         "warnings": warnings_data or [],
                     }
                 ),
-            )
-            # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an
-            # srun step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
-            rank_session.wait_for_peers(
-                keys,
                 datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5),
                 f"the outcome of {item.nodeid}",
             )
-            outcomes = [json.loads(store.get(key)) for key in keys]
+            outcomes = [json.loads(value) for value in exchanged]
         except RuntimeError as exc:  # torch's DistStoreError, DistNetworkError
             raise SessionCannotGoOn(
                 f"the ranks' outcomes of the test could not be exchanged through the rendezvous store: "

@@ -7,6 +7,7 @@ directory every rank sees. :meth:`RankSession.close` undoes all of it, also afte
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import inspect
@@ -66,7 +67,7 @@ class TorchrunEnv:
         )
 
 
-class RendezvousError(pytest.UsageError):
+class RendezvousError(pytest.UsageError):  # type: ignore[misc]
     """The ranks did not all reach the rendezvous store in time (one line, no traceback)."""
 
 
@@ -98,15 +99,15 @@ class Heartbeat:
     def __init__(self, torchrun: TorchrunEnv, timeout: datetime.timedelta) -> None:
         import torch.distributed as dist
 
-        client = dist.TCPStore(
+        client = dist.TCPStore(  # type: ignore[attr-defined]
             host_name=torchrun.master_addr,
-            port=torchrun.master_port,
+            port=torchrun.master_port,  # type: ignore[arg-type]
             is_master=False,
             timeout=timeout,
             wait_for_workers=False,
             multi_tenant=True,
         )
-        self._store = dist.PrefixStore("mfsdp-alive", client)
+        self._store = dist.PrefixStore("mfsdp-alive", client)  # type: ignore[attr-defined]
         self._key = str(torchrun.rank)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="mfsdp-heartbeat", daemon=True)
@@ -143,7 +144,7 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
     if torchrun.master_port is None:
         raise RuntimeError("MASTER_PORT is not set: start the ranks with torchrun")
     try:
-        return dist.TCPStore(
+        return dist.TCPStore(  # type: ignore[attr-defined]
             host_name=torchrun.master_addr,
             port=torchrun.master_port,
             world_size=torchrun.world_size,
@@ -184,7 +185,7 @@ def forget_dtensor_shardings() -> None:
         getattr(propagator, "_propagate_tensor_meta_cached", None),
     ):
         if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
+            cache.cache_clear()  # type: ignore[union-attr]
     torch = sys.modules.get("torch")
     native = getattr(getattr(torch, "_C", None), "_clear_DTensor_sharding_propagator_cache", None)
     if native is not None:
@@ -202,7 +203,7 @@ def check_collectives(environ: MutableMapping[str, str]) -> None:
     environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     import torch.distributed as dist
 
-    dist.set_debug_level_from_env()
+    dist.set_debug_level_from_env()  # type: ignore[attr-defined]
 
 
 def bound_group_timeouts(limit: datetime.timedelta) -> Callable[[], None]:
@@ -300,12 +301,12 @@ class RankSession:
         import torch
         import torch.distributed as dist
 
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if self.env.platform == "cuda":
             kwargs["device_id"] = torch.device(self.env.device)
         dist.init_process_group(
             backend=self.env.backend,
-            store=dist.PrefixStore(f"default_pg/{self.generation}", self._rendezvous_store),
+            store=dist.PrefixStore(f"default_pg/{self.generation}", self._rendezvous_store),  # type: ignore[attr-defined]
             rank=self.env.rank,
             world_size=self.env.world_size,
             timeout=self._pg_timeout,
@@ -326,10 +327,8 @@ class RankSession:
         if dist.is_initialized():
             # Tell the peers before the group goes (the store outlives it): a collective they are
             # in, or enter, now fails, and collectives_released() lets their teardowns know why.
-            try:
+            with contextlib.suppress(Exception):  # a store that is gone: the peers are gone too
                 self.store.set(f"released/{self.generation}", str(self.env.rank))
-            except Exception:  # noqa: BLE001 - a store that is gone: the peers are gone too
-                pass
             dist.destroy_process_group()
 
     def collectives_released(self) -> bool:
@@ -362,12 +361,12 @@ class RankSession:
             # first went on to its next test, failed it at once and destroyed the new group while
             # its peer was still connecting, and the peer's init failed ("Connection closed by peer";
             # measured in docs/troubleshooting.md). No rank leaves until every rank's init has returned.
-            keys = [f"rebuilt/{self.generation}/{rank}" for rank in range(self.env.world_size)]
-            self.store.set(keys[self.env.rank], "1")
-            self.wait_for_peers(keys, self._pg_timeout, "the other ranks' rebuilt process group")
+            self.exchange(
+                f"rebuilt/{self.generation}", "1", self._pg_timeout, "the other ranks' rebuilt process group"
+            )
         except SessionCannotGoOn:
             raise
-        except Exception as exc:  # noqa: BLE001 - whatever the backend raised, no test can run now
+        except Exception as exc:  # whatever the backend raised, no test can run now
             # The peers wait in the rendezvous above for this rank, which never comes: stopping here
             # (torchrun, or the peers' own bounded wait, then ends them) is the end that cannot hang.
             raise SessionCannotGoOn(
@@ -397,7 +396,7 @@ class RankSession:
             device = f"cuda:{torchrun.local_rank}"
         else:
             device = "cpu"
-        harness_store = dist.PrefixStore("mfsdp", store)
+        harness_store = dist.PrefixStore("mfsdp", store)  # type: ignore[attr-defined]
         # Rank 0 makes a private (0700) directory under `shared_root` (every node must see it on
         # multi-node runs; the system temp dir on one node) and tells the others through the store.
         if torchrun.rank == 0:
@@ -419,6 +418,20 @@ class RankSession:
         if torchrun.launched_by:  # srun: nobody else watches these ranks
             session.heartbeat = Heartbeat(torchrun, timeout)
         return session
+
+    def exchange(
+        self, prefix: str, value: str, timeout: datetime.timedelta, what: str | None = None
+    ) -> list[bytes]:
+        """One round trip through the store: this rank's ``value`` under ``<prefix>/<rank>``, then
+        every rank's, in rank order, once all are there. ``what``: what the ranks wait for, where a
+        silent peer ends the wait early (:meth:`wait_for_peers`); None waits on the store alone."""
+        keys = [f"{prefix}/{rank}" for rank in range(self.env.world_size)]
+        self.store.set(keys[self.env.rank], value)
+        if what is None:
+            self.store.wait(keys, timeout)
+        else:
+            self.wait_for_peers(keys, timeout, what)
+        return [self.store.get(key) for key in keys]
 
     def wait_for_peers(self, keys: list[str], timeout: datetime.timedelta, what: str) -> None:
         """``store.wait(keys, timeout)``; where this rank counts on heartbeats (an srun step), in

@@ -28,7 +28,7 @@ class RecordedRankSet:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
-    controller = session.config.pluginmanager.get_plugin("mfsdp-controller")
+    controller = session.config.pluginmanager.get_plugin("mfsdp-controller").controller
     worker = session.config.workerinput["workerid"]
     Path(f"slice-{worker}.txt").write_text(str(controller.gpu_slice))
     if controller.gpu_slice is not None:

@@ -18,8 +18,8 @@ import pytest
 
 from pytest_megatron_fsdp.environment import DistributedSpec
 from pytest_megatron_fsdp.harness import controller as ctl
-from pytest_megatron_fsdp.harness import protocol
-from pytest_megatron_fsdp.harness.launcher import PostMortem, internal_error, log_excerpt
+from pytest_megatron_fsdp.harness import explain, protocol
+from pytest_megatron_fsdp.harness.explain import PostMortem, internal_error, log_excerpt
 from pytest_megatron_fsdp.harness.protocol import Collected, Finished, Report, Started, Warnings
 
 NODEID = "test_x.py::test_x"
@@ -239,7 +239,7 @@ def test_a_fresh_rank_set_gets_the_startup_allowance_before_its_first_test(fake_
 
 
 def test_the_root_cause_rank_comes_first_and_the_others_as_stopped_by_torchrun():
-    text = ctl.describe_death(SIGSEGV_ON_RANK_1, 10.0)
+    text = explain.describe_death(SIGSEGV_ON_RANK_1, 10.0)
     assert text.splitlines()[:2] == [
         "rank 1 died (signal SIGSEGV)",
         "rank 0 then ended (signal SIGTERM; stopped by torchrun after rank 1)",
@@ -281,14 +281,14 @@ def test_the_root_cause_rank_comes_first_and_the_others_as_stopped_by_torchrun()
     ],
 )
 def test_each_kind_of_abnormal_end_is_described(post_mortem, first_lines):
-    lines = ctl.describe_death(post_mortem, 10.0).splitlines()
+    lines = explain.describe_death(post_mortem, 10.0).splitlines()
     assert lines[0] == first_lines[0]
     assert lines[1].startswith(first_lines[1])
 
 
 def test_a_rank_dead_of_a_pytest_internal_error_is_named_with_its_exception():
     pm = PostMortem(2, 1, exits={0: 3, 1: -15}, root=0, internal_errors={0: "ValueError: a harness bug"})
-    assert ctl.describe_death(pm, 10.0).splitlines()[0] == (
+    assert explain.describe_death(pm, 10.0).splitlines()[0] == (
         "rank 0 died (exit code 3: a pytest internal error in the rank: ValueError: a harness bug)"
     )
 
@@ -333,14 +333,16 @@ def test_a_rank_log_excerpt_keeps_an_internal_errors_end_not_its_hook_calls():
 
 
 def test_an_interrupted_test_with_no_death_says_only_what_its_ranks_logged():
-    text = ctl.describe_death(
+    text = explain.describe_death(
         PostMortem(2, -9, excerpts={0: "START a", 1: "START a"}), 10.0, interrupted=True
     )
     assert text.splitlines()[0] == "---------- rank 0 (log: rank0.log) ----------"
 
 
 def test_a_timeout_lists_the_collectives_section():
-    text = ctl.describe_death(PostMortem(2, -9), 5.0, killed_after=5.0, collectives=["collectives (...):"])
+    text = explain.describe_death(
+        PostMortem(2, -9), 5.0, killed_after=5.0, collectives=["collectives (...):"]
+    )
     assert text.splitlines()[:2] == [
         "timed out: the test exceeded its 5 s timeout; every rank's stacks were dumped and the rank set was "
         "killed",
@@ -379,7 +381,7 @@ def test_a_rank_log_excerpt_starts_where_the_log_explains_the_end(log, excerpt):
     ],
 )
 def test_a_batch_end_is_noted_only_when_it_is_abnormal(post_mortem, note):
-    assert ctl.abnormal_exits(post_mortem) == note
+    assert explain.abnormal_exits(post_mortem) == note
 
 
 # -- reruns ---------------------------------------------------------------------------------------
@@ -393,26 +395,26 @@ def test_earlier_attempts_become_sections_of_the_last_attempts_failure():
     first = _test_report("t.py::a", "call", "failed", "first boom")
     last = [_test_report("t.py::a", "setup", "passed"), _test_report("t.py::a", "call", "failed", "boom")]
     last.append(_test_report("t.py::a", "teardown", "passed"))
-    ctl._note_attempts(last, [("batch2-world2", first)], 2)
+    explain.note_attempts(last, [("batch2-world2", first)], 2)
     assert last[1].sections == [
         ("megatron-fsdp: attempt 1 of 2 failed (call; rank set batch2-world2)", "first boom")
     ]
     assert last[0].sections == last[2].sections == []
     assert {(r.mfsdp_attempts, r.mfsdp_max_attempts) for r in last} == {(2, 2)}
-    assert ctl.rerun_summary(last) == ["FAILED t.py::a: failed all 2 attempts, each in a fresh rank set"]
+    assert explain.rerun_summary(last) == ["FAILED t.py::a: failed all 2 attempts, each in a fresh rank set"]
 
 
 def test_a_pass_on_a_rerun_is_flaky_and_its_failures_go_to_its_call_report():
     failures = [("batch1-world2", _test_report("t.py::b", "call", "failed", "one"))]
     failures.append(("batch2-world2", _test_report("t.py::b", "setup", "failed", "two")))
     last = [_test_report("t.py::b", w, "passed") for w in ("setup", "call", "teardown")]
-    ctl._note_attempts(last, failures, 4)
+    explain.note_attempts(last, failures, 4)
     assert [title for title, _ in last[1].sections] == [
         "megatron-fsdp: attempt 1 of 4 failed (call; rank set batch1-world2)",
         "megatron-fsdp: attempt 2 of 4 failed (setup; rank set batch2-world2)",
     ]
     plain = _test_report("t.py::c", "call", "passed")  # never rerun: not in the summary
-    assert ctl.rerun_summary([*last, plain]) == [
+    assert explain.rerun_summary([*last, plain]) == [
         "FLAKY t.py::b: passed on attempt 3 of 4, in a fresh rank set; the earlier failures are sections "
         "of its report (-rP shows them)"
     ]
@@ -422,7 +424,9 @@ def test_a_failure_in_teardown_after_a_passing_call_fails_the_summary_line():
     reports = [_test_report("t.py::d", "call", "passed"), _test_report("t.py::d", "teardown", "failed", "x")]
     for report in reports:
         report.mfsdp_attempts, report.mfsdp_max_attempts = 2, 2
-    assert ctl.rerun_summary(reports) == ["FAILED t.py::d: failed all 2 attempts, each in a fresh rank set"]
+    assert explain.rerun_summary(reports) == [
+        "FAILED t.py::d: failed all 2 attempts, each in a fresh rank set"
+    ]
 
 
 # -- the platform plan ------------------------------------------------------------------------------

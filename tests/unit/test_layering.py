@@ -3,12 +3,15 @@
 Three concerns, arrows only pointing down: ``harness/`` (launching and watching ranks) imports
 nothing from ``fsdp/`` (the Megatron-FSDP domain), ``reporting/`` or the Megatron-specific CPU mode
 (``cpu_mode``); the domain imports no pytest; the entry module loads no torch; and no module
-imports one that imports it back. Every import counts: module-level, lazy (inside a function) and
+imports one that imports it back; only ``harness/pytest_compat.py`` imports pytest's private
+``_pytest``. Every import counts: module-level, lazy (inside a function) and
 ``TYPE_CHECKING``-only ones.
 
-A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles.py``),
-decided once: only the role decision reads the torchrun environment, an srun step's Slurm variables
-or the launched-by-parent flag, and exactly one role plugin is registered per process.
+A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles/``, one
+module per role), decided once: only the role decision (``roles/deciding.py``) reads the torchrun
+environment, an srun step's Slurm variables or the launched-by-parent flag, and exactly one role
+plugin is registered per process. ``roles/`` is a room of its own above the harness: a role holds
+its harness objects and imports them; ``harness/`` never imports a role.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         path.append(module)
         for target in internal[module]:
             if state.get(target) == 1:
-                found.append(path[path.index(target) :] + [target])
+                found.append([*path[path.index(target) :], target])
             elif target not in state:
                 visit(target)
         path.pop()
@@ -105,8 +108,10 @@ def layering_problems(root: Path) -> list[str]:
             problems += [
                 f"{module} imports {t}"
                 for t in sorted(targets)
-                if t.startswith((f"{name}.fsdp", f"{name}.reporting", f"{name}.cpu_mode"))
+                if t.startswith((f"{name}.fsdp", f"{name}.reporting", f"{name}.cpu_mode", f"{name}.roles"))
             ]
+        if module != f"{name}.harness.pytest_compat":
+            problems += [f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] == "_pytest"]
     loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
     problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
     return problems + role_problems(root)
@@ -127,7 +132,7 @@ TORCHRUN_VARIABLES = (
 ROLE_READERS = ("from_environ", "launched_by_parent", "step_of", "in_multi_task_step")
 #: the modules that may name them, and why
 ROLE_MODULES = {
-    "roles": "decides the role, once",
+    "roles.deciding": "decides the role, once",
     "harness.session": "TorchrunEnv.from_environ parses torchrun's variables (called by roles only)",
     "harness.protocol": "defines the launched-by-parent flag",
     "harness.launcher": "names torchrun's variables to remove them from the rank sets it launches",
@@ -185,7 +190,7 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 @pytest.mark.parametrize(
-    "files, expected",
+    ("files", "expected"),
     [
         # a circle through a lazy import and a TYPE_CHECKING one
         (
@@ -210,6 +215,19 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         (
             {"harness/__init__.py": "", "cpu_mode.py": "", "harness/f.py": "from .. import cpu_mode\n"},
             "pkg.harness.f imports pkg.cpu_mode",
+        ),
+        (
+            {
+                "harness/__init__.py": "",
+                "roles/__init__.py": "",
+                "roles/parent.py": "",
+                "harness/j.py": "def f():\n    from ..roles import parent\n",
+            },
+            "pkg.harness.j imports pkg.roles.parent",
+        ),
+        (
+            {"harness/__init__.py": "", "harness/k.py": "from _pytest.runner import runtestprotocol\n"},
+            "pkg.harness.k imports _pytest.runner",
         ),
         ({"plugin.py": "import os\nrank = os.environ['RANK']\n"}, "pkg.plugin reads torchrun's RANK"),
         (
@@ -242,7 +260,7 @@ def test_the_check_fails_on_each_kind_of_violation(tmp_path, files, expected):
 
 
 @pytest.mark.parametrize(
-    "environ, args, expected",
+    ("environ", "args", "expected"),
     [
         ({}, [], "ParentPlugin"),
         ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], "TorchrunRankPlugin"),
@@ -258,11 +276,11 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
     its role's class, and no other controller or rank plugin."""
     from pytest_megatron_fsdp import cpu_mode, roles
     from pytest_megatron_fsdp.harness.controller import Controller
-    from pytest_megatron_fsdp.harness.rank import RankPlugin
+    from pytest_megatron_fsdp.harness.rank import RankRunner
 
     monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
     monkeypatch.setattr(cpu_mode, "disable", lambda: None)
-    monkeypatch.setattr(RankPlugin, "_quiet_terminal", lambda self, config: None)  # keeps this stdout
+    monkeypatch.setattr(RankRunner, "_quiet_terminal", lambda self, config: None)  # keeps this stdout
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     tmp = pytester.path
@@ -275,6 +293,6 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
         *(a.format(tmp=tmp) for a in args),
     )
     plugins = config.pluginmanager.get_plugins()
-    role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankPlugin))]
+    role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankRunner))]
     assert [type(p).__name__ for p in role_plugins] == [expected]
     assert type(role_plugins[0]) is roles.role_of(config).plugin_class

@@ -11,8 +11,8 @@ import itertools
 import pytest
 
 from pytest_megatron_fsdp import marker, options
-from pytest_megatron_fsdp.harness import controller as ctl
-from pytest_megatron_fsdp.harness.launcher import PostMortem
+from pytest_megatron_fsdp.harness import explain
+from pytest_megatron_fsdp.harness.explain import PostMortem
 from pytest_megatron_fsdp.options import OPTIONS, Setting, value_of
 
 pytest.importorskip("pytest_timeout", reason="the dev extra's pytest-timeout")
@@ -154,7 +154,7 @@ def test_a_bad_marker_value_names_the_marker(pytester):
 
 
 def test_a_timeout_says_where_its_timeout_came_from():
-    text = ctl.describe_death(PostMortem(2, -9), 5.0, killed_after=5.0, timeout_source="MFSDP_TIMEOUT")
+    text = explain.describe_death(PostMortem(2, -9), 5.0, killed_after=5.0, timeout_source="MFSDP_TIMEOUT")
     assert text.splitlines()[:2] == [
         "timed out: the test exceeded its 5 s timeout; every rank's stacks were dumped and the rank set was "
         "killed",

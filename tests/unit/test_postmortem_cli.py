@@ -17,8 +17,8 @@ import pytest
 from run_records import run_record
 
 from pytest_megatron_fsdp import postmortem
-from pytest_megatron_fsdp.harness import controller, flight_recorder, protocol
-from pytest_megatron_fsdp.harness.launcher import PostMortem
+from pytest_megatron_fsdp.harness import explain, flight_recorder, protocol
+from pytest_megatron_fsdp.harness.explain import PostMortem
 from pytest_megatron_fsdp.reporting.report import report_document, write_json
 
 SECOND = 1_000_000_000
@@ -188,7 +188,7 @@ def test_no_dumps_is_one_line_saying_where_it_looked(tmp_path, capsys):
 
 def test_a_timeout_report_names_the_commands_that_read_the_dumps(tmp_path):
     write_hang(tmp_path)
-    text = controller._death(PostMortem(2, -9, log_dir=tmp_path, timed_out=[0, 1]), 6.0, killed_after=6.0)
+    text = explain.death_text(PostMortem(2, -9, log_dir=tmp_path, timed_out=[0, 1]), 6.0, killed_after=6.0)
     assert f"  summary again: python -m pytest_megatron_fsdp collectives {tmp_path}" in text.splitlines()
     assert f"  torch's analyser: torchfrtrace {tmp_path} -p flight_recorder_rank_" in text.splitlines()
 
@@ -205,7 +205,7 @@ def test_a_missing_dump_asks_torchfrtrace_for_a_partial_analysis(tmp_path):
 
 def test_no_dumps_no_commands(tmp_path):
     (tmp_path / "rank0.log").write_text("")
-    text = controller._death(PostMortem(2, -9, log_dir=tmp_path, timed_out=[0, 1]), 6.0, killed_after=6.0)
+    text = explain.death_text(PostMortem(2, -9, log_dir=tmp_path, timed_out=[0, 1]), 6.0, killed_after=6.0)
     assert "pytest_megatron_fsdp collectives" not in text
     assert "torchfrtrace" not in text
 

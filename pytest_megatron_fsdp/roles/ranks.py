@@ -1,0 +1,214 @@
+"""What both kinds of rank role share (a rank of a set the parent launched, :mod:`.launched_rank`;
+a rank of a torchrun session or srun step the user started, :mod:`.torchrun_rank`): the platform,
+the rank session, the rank's pytest hooks around its rank harness."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from .. import cpu_mode, options
+from ..fsdp import versions
+from ..harness import coexist, owned_temp, protocol
+from ..harness.platform import select_platform
+from ..harness.rank import RankDuties, RankRunner
+from ..harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
+from .deciding import PLATFORM, ProcessRole, RolePlugin
+
+#: a torchrun-mode rank's private temp tree (pytest's basetemp, torch's inductor cache), removed at exit
+RANK_TEMP = pytest.StashKey[Path]()
+
+
+class _RankRolePlugin(RolePlugin):
+    """What both kinds of rank do: the platform, the rank session, and the pytest hooks around the
+    rank's :class:`..harness.rank.RankRunner`, which it holds."""
+
+    NAME = "mfsdp-rank"
+    LAUNCHED: ClassVar[bool]
+    #: what the rank does that depends on who reports its session
+    DUTIES: ClassVar[RankDuties]
+
+    def __init__(self, config: pytest.Config, torchrun: TorchrunEnv, runner: RankRunner) -> None:
+        self.config = config
+        self.torchrun = torchrun
+        self.runner = runner
+
+    @classmethod
+    def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:
+        # The platform is decided before any conftest or test module is imported: a CPU rank needs
+        # the CUDA emulation in place before anything imports megatron. First what can refuse to
+        # start (a bad value, no GPU): a usage error here ends the rank without pytest_unconfigure,
+        # which would leave a private temp tree behind.
+        assert role.torchrun is not None
+        debug_collectives = options.value_of(config, "debug-collectives").value
+        choice = select_platform(options.value_of(config, "platform").value, role.torchrun.local_world_size)
+        cls._prepare_temp(config, role.torchrun)
+        if debug_collectives:
+            # before any conftest or test module can create a process group or read the setting
+            check_collectives(os.environ)
+        if choice.platform == "cpu":
+            try:
+                cpu_mode.enable()
+            except cpu_mode.EmulationTooLate as exc:
+                private = config.stash.get(RANK_TEMP, None)
+                if private is not None:  # no unconfigure will remove it: the rank ends here
+                    shutil.rmtree(private, ignore_errors=True)
+                raise pytest.UsageError(f"megatron-fsdp: {exc}{cls._too_late_hint(config)}") from None
+        config.stash[PLATFORM] = choice
+
+    @classmethod
+    def _too_late_hint(cls, config: pytest.Config) -> str:
+        return ""
+
+    @classmethod
+    def _prepare_temp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
+        """A temp tree of the rank's own; none by default: a launched rank's pytest temp dir is in the
+        batch directory its parent removes (:meth:`_set_basetemp`)."""
+
+    @classmethod
+    def before_configure(cls, config: pytest.Config, role: ProcessRole) -> None:
+        assert role.torchrun is not None
+        if role.torchrun.rank != 0:
+            # One JUnit file per run: rank 0's (it carries every rank's outcome); two ranks writing
+            # the same path could interleave.
+            config.option.xmlpath = None
+        cls._set_basetemp(config, role.torchrun)
+        if not cls.LAUNCHED:
+            # before pytest-randomly's configure: every rank shuffles and reseeds alike (a launched
+            # rank set gets the parent's seed on its command line)
+            coexist.agree_randomly_seed(config, role.torchrun)
+
+    @classmethod
+    def _set_basetemp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
+        """Where this rank's pytest basetemp goes (launched and torchrun ranks differ)."""
+        raise NotImplementedError
+
+    @classmethod
+    def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> RolePlugin:
+        return cls._rank_plugin(config, role, values)
+
+    @classmethod
+    def _rank_plugin(
+        cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues
+    ) -> _RankRolePlugin:
+        assert role.torchrun is not None
+        runner = RankRunner(
+            config,
+            role.torchrun,
+            lambda: protocol.log_dir(config, values.log_dir, "torchrun", chosen_by_parent=cls.LAUNCHED),
+            agreement_timeout_s=values.pg_timeout,
+            default_timeout=_timeout_without_the_marker,
+            duties=cls.DUTIES,
+            distributed_logs=values.distributed_logs,
+            private_temp=config.stash.get(RANK_TEMP, None),
+        )
+        return cls(config, role.torchrun, runner)
+
+    # -- the rank's log -----------------------------------------------------------------------------
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        # called as this plugin is registered
+        self.runner.open_log(config)
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.runner.quiet_distributed_logs()
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        for item in items:
+            spec = protocol.spec_of(item)
+            if spec is not None and self.torchrun.world_size != spec.world_size:
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason=f"needs world_size={spec.world_size}; this torchrun session has "
+                        f"{self.torchrun.world_size} ranks"
+                    )
+                )
+        self.runner.select_batch(config, items)  # a launched rank set: the parent's batch
+
+    def _shared_root(self, config: pytest.Config) -> str | None:
+        return options.session_values(config).shared_dir
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        config = session.config
+        if config.option.collectonly or not _needs_rank_session(session):
+            return
+        if not self.LAUNCHED:
+            # before the ranks connect: every rank refuses alike
+            coexist.refuse_rerunfailures_under_torchrun(session.items)
+        rank_session = RankSession.start(
+            self.torchrun,
+            config.stash[PLATFORM],
+            pg_timeout_s=options.session_values(config).pg_timeout,
+            shared_root=self._shared_root(config),
+        )
+        config.stash[RANK_SESSION] = rank_session
+        self.runner.check_same_collection(session, rank_session)
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and self.torchrun.rank == 0:
+            reporter.write_line(rank_session.header(versions.stack_description()))
+            if missing := versions.missing_features_line():
+                reporter.write_line(missing)
+
+    # -- running ------------------------------------------------------------------------------------
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+        """pytest-timeout: no timer of its own around a test the watchdog times (see
+        :meth:`..harness.rank.RankRunner.times_its_tests`)."""
+        return True if self.runner.times_its_tests() else None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_timeout_cancel_timer(self, item: Any) -> bool | None:
+        return True if self.runner.times_its_tests() else None
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        return self.runner.run(item, nextitem)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        return self.runner.review_report(item, call, report)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.runner.log_agreed(report)
+
+    # -- the end ------------------------------------------------------------------------------------
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        rank_session = session.config.stash.get(RANK_SESSION, None)
+        if rank_session is not None:
+            session.config.stash[RANK_SESSION] = None
+            rank_session.close()
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.runner.close_log()  # the rank's log closes first
+        private = config.stash.get(RANK_TEMP, None)
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+            # and those of ranks that could not remove theirs (killed), here and in the shared root
+            owned_temp.sweep([None, self._shared_root(config)])
+        if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
+            cpu_mode.disable()
+
+
+def _timeout_without_the_marker(item: pytest.Item) -> float:
+    """A test without the marker in a torchrun rank session: by the same precedence, without the
+    distributed marker (pytest-timeout's marker, --mfsdp-timeout, pytest-timeout's options)."""
+    return float(options.value_of(item.config, "timeout", item).value)
+
+
+def _needs_rank_session(session: pytest.Session) -> bool:
+    return any(
+        protocol.spec_of(item) is not None and not any(m.name == "skip" for m in item.iter_markers())
+        for item in session.items
+    )
