@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,6 +122,14 @@ def torchrun_pytest_command(*pytest_args: str, nproc: int = 2) -> list[str]:
     from pytest_megatron_fsdp.harness.launcher import torchrun_command
 
     return torchrun_command(nproc, "-m", "pytest", *pytest_args)
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A loopback port no one listens on now (for a rendezvous a test addresses itself)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -373,16 +374,51 @@ def randomly_args(config: pytest.Config) -> list[str]:
 
 
 def agree_randomly_seed(config: pytest.Config, torchrun: TorchrunEnv) -> int | None:
-    """A torchrun-mode rank, before pytest-randomly's configure: where no seed was given, one that
-    every rank of this torchrun run derives alike (from its run id and rendezvous address), so all
-    ranks shuffle their tests into the same order and reseed each test alike; returns it (None
-    where it set nothing: a seed given, ``last``, or pytest-randomly not active)."""
+    """A torchrun-mode rank, before pytest-randomly's configure: where no seed was given, one seed
+    every rank of this torchrun run shares (:func:`_seed_of_the_run`), so all ranks shuffle their
+    tests into the same order and reseed each test alike; returns it (None where it set nothing: a
+    seed given, ``last``, or pytest-randomly not active). Whether or not the session uses this
+    plugin: ranks that shuffle apart cannot run a distributed test, and nothing else changes."""
     if not _active(config, RANDOMLY_PLUGIN) or getattr(config.option, "randomly_seed", None) != "default":
         return None
-    run = f"{torchrun.run_id}|{torchrun.master_addr}|{torchrun.master_port}|{torchrun.world_size}"
-    seed = int.from_bytes(hashlib.sha256(run.encode()).digest()[:4], "big")
+    seed = _seed_of_the_run(torchrun)
     config.option.randomly_seed = seed
     return seed
+
+
+#: seconds a rank waits to reach torchrun's agent store for pytest-randomly's seed
+SEED_STORE_TIMEOUT_S = 30
+
+
+def _seed_of_the_run(torchrun: TorchrunEnv) -> int:
+    """A new seed per run, as pytest-randomly's own default, the same on every rank.
+
+    Where torchrun's agent hosts the rendezvous store (it does from the start, so no rank waits for
+    another): the first rank to reach it proposes a random seed and every rank takes the stored
+    one. A run id and port alone would not do: ``torchrun --nproc_per_node=N`` without
+    ``--standalone`` has the run id ``none`` and port 29500 on every run, so every run would get
+    one order. Elsewhere (an srun step: rank 0 hosts its store only later) the seed is derived
+    from the run's id and rendezvous address (in srun, a port derived from the job id: one order
+    per job)."""
+    if torchrun.agent_store and torchrun.master_port is not None:
+        import datetime
+
+        import torch.distributed as dist
+
+        proposed = random.Random().getrandbits(32)  # what pytest-randomly's configure would draw
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                torchrun.master_addr,
+                torchrun.master_port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=SEED_STORE_TIMEOUT_S),
+            )
+            agreed = store.compare_set(f"mfsdp/randomly-seed/{torchrun.run_id}", "", str(proposed))
+            return int(agreed.decode())
+        except RuntimeError:  # torch's DistStoreError, DistNetworkError: derived below, as in srun
+            pass
+    run = f"{torchrun.run_id}|{torchrun.master_addr}|{torchrun.master_port}|{torchrun.world_size}"
+    return int.from_bytes(hashlib.sha256(run.encode()).digest()[:4], "big")
 
 
 # -- coverage (pytest-cov, coverage run) ----------------------------------------------------------

@@ -78,10 +78,6 @@ class _RankRolePlugin(RolePlugin):
             # the same path could interleave.
             config.option.xmlpath = None
         cls._set_basetemp(config, role.torchrun)
-        if not cls.LAUNCHED:
-            # before pytest-randomly's configure: every rank shuffles and reseeds alike (a launched
-            # rank set gets the parent's seed on its command line)
-            coexist.agree_randomly_seed(config, role.torchrun)
 
     @classmethod
     def _set_basetemp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from .. import options
-from ..harness import owned_temp, pytest_compat
+from ..harness import coexist, owned_temp, pytest_compat
 from ..harness.rank import RankDuties
 from ..harness.session import TorchrunEnv
 from .awaiting import AwaitingUse
@@ -60,6 +60,11 @@ class TorchrunRankPlugin(_RankRolePlugin):
 
     @classmethod
     def before_configure(cls, config: pytest.Config, role: ProcessRole) -> None:
+        assert role.torchrun is not None
+        # Before pytest-randomly's configure, and also while awaiting use: every rank shuffles and
+        # reseeds alike, or the first distributed test collected finds the ranks in different
+        # orders (a launched rank set gets the parent's seed on its command line instead).
+        coexist.agree_randomly_seed(config, role.torchrun)
         if config.stash.get(_AWAITING, False):
             return
         super().before_configure(config, role)

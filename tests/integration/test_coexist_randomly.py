@@ -1,6 +1,6 @@
 """pytest-randomly installed and on (``-p randomly``; this suite turns it off elsewhere): its seed,
 given or chosen, reaches every rank, so each rank reseeds a test exactly as the parent would and
-runs the tests in the parent's order; under torchrun every rank derives the same seed and shuffles
+runs the tests in the parent's order; under torchrun every rank takes the same seed and shuffles
 alike, and where ranks do shuffle apart, the same-collection check names pytest-randomly.
 """
 
@@ -10,6 +10,7 @@ import json
 import random
 import re
 import subprocess
+import sys
 import zlib
 
 import pytest
@@ -123,3 +124,38 @@ def test_ranks_shuffling_apart_are_told_pytest_randomly_is_the_cause(pytester, r
         "rank 1; give every rank the same seed (--randomly-seed=N on the command line) or disable it "
         "(-p no:randomly)"
     ) in proc.stderr
+
+
+PARAMETRIZED = """
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("n", range(6))
+def test_p(request, n, dist_env):
+    record(request, dist_env.rank)
+"""
+
+
+def test_a_torchrun_session_without_plugin_options_shuffles_alike_and_anew_each_run(
+    pytester, randomly_on, free_port
+):
+    """`torchrun --nproc_per_node=2 -m pytest` as a new user types it: no option of the plugin, no
+    --standalone (so the run id is "none" and the port the same on every run)."""
+    pytester.makepyfile(test_order=TESTS.format(root=str(pytester.path), tests=PARAMETRIZED))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master-port={free_port}",
+        "-m", "pytest", *randomly_on, "-p", "no:cacheprovider", "-v", "test_order.py",
+    ]  # fmt: skip
+    seeds = []
+    for _ in range(2):
+        for rank in (0, 1):
+            (pytester.path / f"rank{rank}.jsonl").unlink(missing_ok=True)
+        proc = subprocess.run(command, cwd=pytester.path, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "6 passed" in proc.stdout, proc.stdout[-3000:]
+        seed = int(re.search(r"Using --randomly-seed=(\d+)", proc.stdout).group(1))
+        rank0, rank1 = _records(pytester.path, 0), _records(pytester.path, 1)
+        assert rank0 == rank1  # same order, same seed, same draws
+        assert {r["seed"] for r in rank0} == {seed}
+        order = [r["nodeid"] for r in rank0]
+        assert sorted(order) == [f"test_order.py::test_p[{n}]" for n in range(6)]
+        seeds.append((seed, order))
+    assert seeds[0][0] != seeds[1][0], seeds  # a new seed per run, as pytest-randomly's own default

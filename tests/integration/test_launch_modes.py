@@ -4,7 +4,6 @@ functional suite's files under ``pytest -n 2``: tests/e2e/test_functional_under_
 
 import json
 import os
-import socket
 import subprocess
 
 import pytest
@@ -53,13 +52,7 @@ def test_trains(megatron_fsdp_run, run_config):
     assert len(runs[0]["losses"]) == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_node_torchrun_ranks_know_global_and_local_rank(pytester):
+def test_two_node_torchrun_ranks_know_global_and_local_rank(pytester, free_port):
     shared = pytester.path / "shared"
     shared.mkdir()
     pytester.makepyfile(
@@ -79,7 +72,7 @@ def test_ranks_and_shared_dir(dist_env):
     assert (dist_env.shared_dir / f"from{1 - dist_env.rank}").read_text() == "hi"
 """
     )
-    port = _free_port()
+    port = free_port
     env = dict(os.environ)  # plain: tests/conftest.py's plain_environment removed torchrun variables
     env["SHARED"] = str(shared)
     agents = [

@@ -235,22 +235,56 @@ def test_the_delay_between_attempts_is_pytest_rerunfailures_formula():
 # -- pytest-randomly, coverage --------------------------------------------------------------------
 
 
-def _torchrun(rank: int, run_id: str = "run-a", port: int = 29400) -> TorchrunEnv:
+def _torchrun(rank: int, run_id: str = "run-a", port: int = 29400, agent_store: bool = False) -> TorchrunEnv:
     return TorchrunEnv(
-        rank, 2, rank, 2, master_addr="127.0.0.1", master_port=port, agent_store=True, run_id=run_id
+        rank, 2, rank, 2, master_addr="127.0.0.1", master_port=port, agent_store=agent_store, run_id=run_id
     )
 
 
-def test_torchrun_ranks_derive_one_seed_from_their_run(pytester):
+@pytest.fixture
+def agent_store():
+    """A store such as torchrun's agent hosts for its ranks (its port)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store.port
+    del store
+
+
+def test_torchrun_ranks_take_one_new_seed_per_run_from_the_agent_store(pytester, agent_store):
+    seeds = []
+    for rank in (0, 1):
+        config = pytester.parseconfig("-p", "randomly")
+        torchrun = _torchrun(rank, "none", agent_store, agent_store=True)
+        seeds.append(coexist.agree_randomly_seed(config, torchrun))
+        assert config.option.randomly_seed == seeds[-1]  # what pytest-randomly's configure then uses
+    assert seeds[0] == seeds[1]
+    assert isinstance(seeds[0], int)
+    # `torchrun --nproc_per_node=2` without --standalone: run id "none" and the same port on every
+    # run; each run's agent store is new, and so is its seed (as pytest-randomly's own default)
+    from torch.distributed import TCPStore
+
+    next_run = TCPStore("127.0.0.1", agent_store, is_master=False)
+    next_run.delete_key("mfsdp/randomly-seed/none")
+    again = coexist.agree_randomly_seed(
+        pytester.parseconfig("-p", "randomly"), _torchrun(0, "none", agent_store, agent_store=True)
+    )
+    assert again != seeds[0]
+
+
+def test_ranks_without_an_agent_store_derive_one_seed_from_their_run(pytester):
     seeds = []
     for rank in (0, 1):
         config = pytester.parseconfig("-p", "randomly")
         seeds.append(coexist.agree_randomly_seed(config, _torchrun(rank)))
-        assert config.option.randomly_seed == seeds[-1]  # what pytest-randomly's configure then uses
+        assert config.option.randomly_seed == seeds[-1]
     assert seeds[0] == seeds[1]
     assert isinstance(seeds[0], int)
     other = coexist.agree_randomly_seed(pytester.parseconfig("-p", "randomly"), _torchrun(0, run_id="run-b"))
     assert other != seeds[0]  # a new run, a new order (as pytest-randomly's own default)
+
+
+def test_a_given_seed_or_no_pytest_randomly_is_left_alone(pytester):
     given = pytester.parseconfig("-p", "randomly", "--randomly-seed=7")
     assert coexist.agree_randomly_seed(given, _torchrun(0)) is None
     assert given.option.randomly_seed == 7
