@@ -48,9 +48,18 @@ def enable() -> None:
         logging.getLogger(name).addFilter(EMULATED_DEVICE_WARNING)
 
 
-def disable() -> None:
-    from .harness import cuda_emulation
+def enable_foreign_suite(local_world_size: int, local_rank: int, pg_timeout_s: float) -> None:
+    """Over the emulation (:func:`enable` first), what a suite written for GPUs needs besides
+    (:mod:`.harness.foreign_emulation`): one emulated device per local rank, NCCL groups on gloo."""
+    from .harness import foreign_emulation
 
+    foreign_emulation.enable(local_world_size, local_rank, pg_timeout_s)
+
+
+def disable() -> None:
+    from .harness import cuda_emulation, foreign_emulation
+
+    foreign_emulation.disable()  # the layer over the emulation first
     cuda_emulation.disable()
     for name in MEGATRON_FSDP_LOGGERS:
         logging.getLogger(name).removeFilter(EMULATED_DEVICE_WARNING)

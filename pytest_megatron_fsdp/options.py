@@ -195,6 +195,9 @@ class Option:
     #: why only the plain-mode parent acts on it (it launches the rank sets): given for the run
     #: (flag, environment) under torchrun it is refused; the ini key is a standing setting, unused there
     plain_mode_only: str | None = None
+    #: why only torchrun-mode ranks act on it: given for the run (flag, environment) to a plain
+    #: pytest session it is refused; the ini key is a standing setting, unused there
+    torchrun_only: str | None = None
 
     @property
     def flag(self) -> str:
@@ -354,6 +357,19 @@ OPTIONS: dict[str, Option] = {
             "true|false",
         ),
         Option(
+            "foreign-suite",
+            "run a test suite written for GPUs that knows nothing of this plugin (Megatron-LM's own "
+            "unit tests) on CPU ranks under torchrun: over the CUDA emulation, NCCL groups become "
+            "gloo, each local rank gets a device of its own and torch.cuda.is_available() answers "
+            "True (torch-wide; docs/upstream-suites.md lists every change)",
+            _boolean,
+            False,
+            "true|false",
+            torchrun_only="plain pytest runs a test without the distributed marker in its own "
+            "process, not on ranks: launch the suite with python -m torch.distributed.run "
+            "--nproc_per_node=N -m pytest",
+        ),
+        Option(
             "report-json",
             "write every distributed test's training metrics (loss, grad norm, step time, tokens/s, "
             "peak memory, checkpoint figures) as JSON to this file "
@@ -471,6 +487,7 @@ class SessionValues:
     use_megatron_fsdp: bool
     distributed_logs: bool
     debug_collectives: bool
+    foreign_suite: bool
     report_json: str | None
     #: absolute (relative ones are taken from the invocation directory)
     golden: str | None
@@ -597,6 +614,19 @@ def refuse_plain_mode_only(config: pytest.Config) -> None:
             f"{option.where(setting.source)}={shown}: not under torchrun: {option.plain_mode_only}; "
             "run plain pytest to rerun failed tests"
         )
+
+
+def refuse_torchrun_only(config: pytest.Config) -> None:
+    """In a plain pytest session: one usage line for a torchrun-only option given for this run
+    (flag or environment variable)."""
+    for option in OPTIONS.values():
+        if option.torchrun_only is None:
+            continue
+        setting = value_of(config, option.name, chain=(COMMAND_LINE, ENVIRONMENT, DEFAULT))
+        if setting.value:
+            raise OptionError(
+                f"{option.where(setting.source)}={setting.value}: only under torchrun: {option.torchrun_only}"
+            )
 
 
 def forwarded_args(config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir")) -> list[str]:

@@ -207,11 +207,22 @@ def _is_cuda_device(device: Any) -> bool:
     return False
 
 
+#: whether a device argument names a CUDA device (a bare int is a CUDA ordinal to torch)
+is_cuda_device = _is_cuda_device
+
+
 #: (module, function) whose own ``Tensor.type()`` calls get the CUDA type name of a CPU tensor.
 #: megatron's clip asserts its gradients are ``torch.cuda.FloatTensor`` before scaling them in place;
 #: on an emulated rank the device *is* the CPU, so an fp32 CPU gradient is what that check asks for.
 CUDA_TYPE_CHECKERS: frozenset[tuple[str, str]] = frozenset(
-    {("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32")}
+    {
+        ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+        # the mixed-precision optimizers sort their parameters by CUDA type (fp16/bf16 get fp32 main
+        # copies, fp32 are used as they are) and refuse any other type
+        ("megatron.core.optimizer.distrib_optimizer", "_build_model_and_main_param_groups"),
+        ("megatron.core.optimizer.distrib_optimizer", "__init__"),
+        ("megatron.core.optimizer.optimizer", "__init__"),
+    }
 )
 
 

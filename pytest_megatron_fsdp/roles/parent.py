@@ -41,6 +41,7 @@ class ParentPlugin(RolePlugin):
 
     @classmethod
     def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> ParentPlugin:
+        options.refuse_torchrun_only(config)
         return cls(config, options.forwarded_args(config), values.log_dir)
 
     def prestart(self, world_size: int) -> None:

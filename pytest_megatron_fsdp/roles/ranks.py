@@ -59,6 +59,13 @@ class _RankRolePlugin(RolePlugin):
                 if private is not None:  # no unconfigure will remove it: the rank ends here
                     shutil.rmtree(private, ignore_errors=True)
                 raise pytest.UsageError(f"megatron-fsdp: {exc}{cls._too_late_hint(config)}") from None
+            if options.value_of(config, "foreign-suite").value:
+                # over the emulation, before any conftest of the suite is imported
+                cpu_mode.enable_foreign_suite(
+                    role.torchrun.local_world_size,
+                    role.torchrun.local_rank,
+                    float(options.value_of(config, "pg-timeout").value),
+                )
         config.stash[PLATFORM] = choice
 
     @classmethod

@@ -1,0 +1,82 @@
+"""``--mfsdp-foreign-suite``: a suite written for GPUs, knowing nothing of the plugin (NCCL asked
+for by name, one device per local rank, CUDA tensors), runs unchanged on CPU ranks under torchrun;
+plain pytest refuses the option in one line."""
+
+from __future__ import annotations
+
+# A suite as Megatron-LM's unit tests are written: its own process group, NCCL, set_device by
+# local rank, barriers with device ids; no marker, no fixture of the plugin.
+GPU_SUITE = """
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(backend="nccl")
+    yield
+    dist.barrier(device_ids=[torch.cuda.current_device()])
+    dist.destroy_process_group()
+
+
+def test_every_local_rank_has_its_device():
+    assert torch.cuda.is_available()
+    assert torch.cuda.device_count() == int(os.environ["LOCAL_WORLD_SIZE"])
+    assert torch.cuda.current_device() == int(os.environ["LOCAL_RANK"])
+
+
+def test_an_all_reduce_over_a_new_nccl_group():
+    group = dist.new_group(backend="nccl")
+    tensor = torch.full((3,), float(dist.get_rank() + 1), device="cuda")
+    dist.all_reduce(tensor, group=group)
+    assert tensor.tolist() == [3.0, 3.0, 3.0]
+    dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+    dist.destroy_process_group(group)
+"""
+
+
+def test_a_gpu_suite_runs_unchanged_on_cpu_ranks_under_torchrun(inner_session):
+    scenario = inner_session(
+        {"test_gpu_suite.py": GPU_SUITE},
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        "-p",
+        "no:cacheprovider",
+        torchrun=True,
+        timeout=240,
+    )
+    assert scenario.result.ret == 0, scenario.out[-3000:]
+    scenario.result.assert_outcomes(passed=2)
+    assert scenario.leftovers == []
+
+
+def test_without_the_option_the_same_suite_fails_for_want_of_a_gpu(inner_session):
+    scenario = inner_session(
+        {"test_gpu_suite.py": GPU_SUITE},
+        "--mfsdp-platform=cpu",
+        "-p",
+        "no:cacheprovider",
+        torchrun=True,
+        timeout=240,
+    )
+    assert scenario.result.ret != 0
+    # the first thing it asks for: NCCL (torch's CUDA build has it but no GPU, its CPU wheel none)
+    assert (
+        "ValueError: ProcessGroupNCCL is only supported with GPUs, no GPUs found!" in scenario.out
+        or "RuntimeError: Distributed package doesn't have NCCL built in" in scenario.out
+    ), scenario.out[-3000:]
+
+
+def test_plain_pytest_refuses_it_in_one_line(inner_session):
+    result = inner_session({"test_gpu_suite.py": GPU_SUITE}, "--mfsdp-foreign-suite=true", timeout=60).result
+    assert result.ret == 4  # usage error, before any test
+    result.stderr.fnmatch_lines(
+        ["ERROR: --mfsdp-foreign-suite=True: only under torchrun: plain pytest runs a test without the "
+         "distributed marker in its own process, not on ranks: launch the suite with python -m "
+         "torch.distributed.run --nproc_per_node=N -m pytest"]
+    )  # fmt: skip

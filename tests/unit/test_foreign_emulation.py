@@ -1,0 +1,148 @@
+"""The foreign-suite layer over the CUDA emulation: each addition answers as one GPU per local rank
+would, NCCL groups become gloo ones, and everything is undone."""
+
+import datetime
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pytest_megatron_fsdp.harness import cuda_emulation, foreign_emulation
+
+
+@pytest.fixture(autouse=True)
+def _megatron_rng_not_bound(monkeypatch):
+    # as in test_cuda_emulation.py: the emulation refuses once megatron's RNG module is imported
+    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.random", raising=False)
+
+
+@pytest.fixture
+def foreign():
+    """Local rank 1 of 4, process groups capped at 60 s."""
+    cuda_emulation.enable()
+    foreign_emulation.enable(local_world_size=4, local_rank=1, pg_timeout_s=60)
+    try:
+        yield
+    finally:
+        foreign_emulation.disable()
+        cuda_emulation.disable()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """After the test: the default group it made, destroyed."""
+    yield f"file://{tmp_path / 'store'}"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _snapshot() -> dict[str, object]:
+    import torch.distributed.device_mesh as dm
+
+    names = ("is_available", "device_count", "current_device", "set_device", "get_device_capability")
+    return {
+        **{f"cuda.{n}": torch.cuda.__dict__.get(n) for n in names},
+        **{f"dist.{n}": getattr(dist, n) for n in ("init_process_group", "new_group", "barrier")},
+        "device_mesh.new_group": dm.__dict__.get("new_group"),
+        "accelerator.is_available": torch.accelerator.is_available,
+    }
+
+
+def test_disable_restores_every_original_object():
+    cuda_emulation.enable()
+    before = _snapshot()
+    foreign_emulation.enable(2, 0, 60)
+    during = _snapshot()
+    foreign_emulation.disable()
+    after = _snapshot()
+    cuda_emulation.disable()
+    assert [k for k in before if before[k] is during[k]] == []  # every one was replaced ...
+    assert [k for k in before if before[k] is not after[k]] == []  # ... and is the same again
+    assert not foreign_emulation.is_enabled()
+
+
+def test_the_layer_needs_the_emulation_under_it():
+    with pytest.raises(RuntimeError, match="enable that first"):
+        foreign_emulation.enable(2, 0, 60)
+
+
+def test_one_device_per_local_rank_the_local_rank_current(foreign):
+    assert torch.cuda.is_available()  # torch-wide while the layer is on
+    assert torch.accelerator.is_available()
+    assert torch.cuda.device_count() == 4
+    assert torch.accelerator.device_count() == 4
+    assert 5 % torch.cuda.device_count() == 1  # upstream's set_device(local_rank % device_count())
+    assert torch.cuda.current_device() == 1
+    torch.cuda.set_device(3)
+    assert torch.cuda.current_device() == 3
+    torch.cuda.set_device(torch.device("cuda", 2))
+    assert torch.cuda.current_device() == 2
+    assert torch.accelerator.current_device_index() == 2
+    assert len(torch.cuda.default_generators) == 4
+    assert all(g is torch.default_generator for g in torch.cuda.default_generators)
+
+
+def test_device_properties_are_an_a100s_capability_named_as_the_emulation(foreign):
+    assert torch.cuda.get_device_capability() == (8, 0)  # no FP8/MXFP8 paths
+    assert "emulated" in torch.cuda.get_device_name(0)
+    properties = torch.cuda.get_device_properties(0)
+    assert (properties.major, properties.minor) == (8, 0)
+    assert properties.total_memory > 0
+
+
+def test_a_memory_pool_allocates_as_anything_else(foreign):
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        tensor = torch.empty(4, device="cuda")
+    assert tensor.device.type == "cpu"
+
+
+def test_nccl_asked_for_is_a_gloo_group(foreign, one_rank_group):
+    dist.init_process_group("nccl", init_method=one_rank_group, rank=0, world_size=1)
+    assert dist.get_backend() == "gloo"
+    options = dist.ProcessGroupNCCL.Options() if hasattr(dist, "ProcessGroupNCCL") else None
+    group = dist.new_group([0], backend="nccl", pg_options=options)
+    assert dist.get_backend(group) == "gloo"
+    dist.barrier(device_ids=[torch.cuda.current_device()])  # a gloo barrier takes no device ids
+    tensor = torch.ones(2, device="cuda")
+    dist.all_reduce(tensor, group=group)
+    assert tensor.tolist() == [1.0, 1.0]
+
+
+def test_backend_left_to_torch_is_gloo_too(foreign, one_rank_group):
+    # with is_available() True torch would pick NCCL for CUDA tensors
+    dist.init_process_group(init_method=one_rank_group, rank=0, world_size=1)
+    assert dist.get_backend() == "gloo"
+
+
+def test_group_timeouts_are_capped_and_cuda_device_ids_dropped():
+    calls = []
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, device_id=None):
+        calls.append(
+            {"timeout": timeout, "backend": backend, "pg_options": pg_options, "device_id": device_id}
+        )
+
+    patched = foreign_emulation._on_gloo(new_group, cap_s=60)
+    patched([0, 1], backend="nccl", pg_options=object(), device_id=torch.device("cuda", 1))
+    patched([0, 1], timeout=datetime.timedelta(seconds=5), backend="gloo")
+    patched([0, 1], timeout=datetime.timedelta(minutes=30))
+    cap = datetime.timedelta(seconds=60)
+    assert calls == [
+        {"timeout": cap, "backend": "gloo", "pg_options": None, "device_id": None},
+        {"timeout": datetime.timedelta(seconds=5), "backend": "gloo", "pg_options": None, "device_id": None},
+        {"timeout": cap, "backend": "gloo", "pg_options": None, "device_id": None},
+    ]
+
+
+def test_the_mixed_precision_optimizers_see_the_devices_type_names(foreign):
+    # megatron's optimizers sort parameters by CUDA type name and refuse any other: called from
+    # those functions, a CPU tensor names the device's type
+    checkers = cuda_emulation.CUDA_TYPE_CHECKERS
+    assert ("megatron.core.optimizer.distrib_optimizer", "_build_model_and_main_param_groups") in checkers
+    assert ("megatron.core.optimizer.optimizer", "__init__") in checkers
+    namespace = {"__name__": "megatron.core.optimizer.distrib_optimizer"}
+    exec("def _build_model_and_main_param_groups(p):\n    return p.type()\n", namespace)
+    assert namespace["_build_model_and_main_param_groups"](torch.ones(1)) == "torch.cuda.FloatTensor"
+    assert torch.ones(1).type() == "torch.FloatTensor"  # anyone else: as usual
