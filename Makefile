@@ -204,6 +204,14 @@ MUTANTS_ARGS ?=
 mutants: venv
 	$(SCRATCH) $(PY) -m bench.mutants $(MUTANTS_ARGS)
 
+# One GPU (bench/gpu_check.py): the functional suite's world-size-1 subset over NCCL, the bridge-reference preset in
+# bf16 and golden values at Megatron-LM's GPU tolerances, then a dated table. Without a GPU it stops in one line
+# (exit 2), never on CPU ranks. A stack's first GPU run records its golden values: GPU_CHECK_ARGS=--golden-mode=record.
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check: venv
+	$(SCRATCH) $(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
 # The distributions a release would upload: `python -m build` (an sdist, then the wheel built from that sdist, with
 # build isolation: the build-system requirements of pyproject.toml), then `twine check --strict` on both. Into a
 # scratch dir removed afterwards, or into WHEEL_DIR when given (e.g. make wheel WHEEL_DIR=dist).
