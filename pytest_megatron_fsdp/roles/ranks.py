@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import pytest
 
 from .. import cpu_mode, options
-from ..fsdp import versions
+from ..fsdp import gpu_only, versions
 from ..harness import coexist, owned_temp, protocol
 from ..harness.platform import select_platform
 from ..harness.rank import RankDuties, RankRunner
@@ -180,7 +180,23 @@ class _RankRolePlugin(RolePlugin):
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
+        if report.failed and call.excinfo is not None and options.session_values(item.config).foreign_suite:
+            cause = gpu_only.cause_of(call.excinfo.value)
+            if cause is not None:  # a foreign suite's test that needs what only a GPU has
+                report.outcome = "skipped"
+                report.longrepr = (str(item.path), (item.location[1] or 0) + 1, cause.reason())
         return self.runner.review_report(item, call, report)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector: pytest.Collector) -> Generator[None, Any, Any]:
+        report = yield
+        if report.failed and options.session_values(collector.config).foreign_suite:
+            # a foreign suite's module that imports what only a GPU has (pytest keeps the error as text)
+            cause = gpu_only.cause_in(report.longreprtext)
+            if cause is not None:
+                report.outcome = "skipped"
+                report.longrepr = (str(collector.path), 1, cause.reason())
+        return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.runner.log_agreed(report)

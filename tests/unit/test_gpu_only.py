@@ -1,0 +1,87 @@
+"""The GPU-only causes: each is recognised by its exact signs only, in an exception's chain or in a
+collection error's text; anything else is a real failure."""
+
+import pytest
+
+from pytest_megatron_fsdp.fsdp import gpu_only
+
+
+def _raised(make):
+    try:
+        make()
+    except BaseException as exc:  # noqa: BLE001 - the exception is what the test looks at
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def _no_module(name):
+    raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+
+
+@pytest.mark.parametrize(
+    ("exc", "cause"),
+    [
+        (
+            ModuleNotFoundError("No module named 'transformer_engine'", name="transformer_engine"),
+            "Transformer Engine",
+        ),
+        (
+            ModuleNotFoundError(
+                "No module named 'transformer_engine.pytorch'", name="transformer_engine.pytorch"
+            ),
+            "Transformer Engine",
+        ),
+        (ValueError("apply_rope_fusion is not available. Please install TE >= 1.4."), "Transformer Engine"),
+        (
+            ImportError("MambaSSM is not installed. Please install it with `pip install mamba-ssm`."),
+            "mamba_ssm",
+        ),
+        (ModuleNotFoundError("No module named 'mamba_ssm'", name="mamba_ssm"), "mamba_ssm"),
+    ],
+)
+def test_each_cause_by_its_signs(exc, cause):
+    found = gpu_only.cause_of(exc)
+    assert found is not None
+    assert found.name.startswith(cause)
+    assert found.reason() == f"GPU-only: {found.name}"
+
+
+def test_a_cause_deeper_in_the_chain_counts():
+    def wrapped():
+        try:
+            _no_module("transformer_engine")
+        except ModuleNotFoundError as exc:
+            raise RuntimeError("building the layer failed") from exc
+
+    assert gpu_only.cause_of(_raised(wrapped)).name == "Transformer Engine"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        AssertionError("losses differ"),
+        ModuleNotFoundError("No module named 'transformer_engines'", name="transformer_engines"),
+        ModuleNotFoundError("No module named 'click'", name="click"),
+        RuntimeError("apply_rope_fusion is not available. Please install TE >= 1.4."),  # another class
+        ValueError("TE >= 1.4 is fine"),
+        RuntimeError("Found no NVIDIA driver on your system."),  # the emulation's job, not a GPU-only cause
+    ],
+)
+def test_anything_else_is_a_real_failure(exc):
+    assert gpu_only.cause_of(exc) is None
+
+
+def test_a_collection_errors_text_names_its_cause():
+    text = (
+        "ImportError while importing test module 'tests/unit_tests/distributed/mfsdp_v2/test_optimizer.py'.\n"
+        "tests/unit_tests/distributed/mfsdp_v2/test_optimizer.py:9: in <module>\n"
+        "    import transformer_engine as te\n"
+        "E   ModuleNotFoundError: No module named 'transformer_engine'\n"
+    )
+    assert gpu_only.cause_in(text).name == "Transformer Engine"
+    assert gpu_only.cause_in(
+        "E   ValueError: apply_rope_fusion is not available. Please install TE >= 1.4."
+    ).name
+    assert gpu_only.cause_in("E   ModuleNotFoundError: No module named 'click'") is None
+    # the class and the message must be on one line
+    assert gpu_only.cause_in("E   ValueError: bad\nis not available. Please install TE") is None
