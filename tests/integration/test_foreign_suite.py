@@ -53,6 +53,9 @@ def test_a_gpu_suite_runs_unchanged_on_cpu_ranks_under_torchrun(inner_session):
     assert scenario.result.ret == 0, scenario.out[-3000:]
     scenario.result.assert_outcomes(passed=2)
     assert scenario.leftovers == []
+    # the rank logs (kept), and torchrun's own torchelastic_* dir (torchrun leaves it; make's $TMPDIR goes)
+    left = {name.split("/")[0] for name in scenario.tmp_left}
+    assert {name for name in left if not name.startswith("torchelastic_")} == {"mfsdp-logs"}, left
 
 
 def test_without_the_option_the_same_suite_fails_for_want_of_a_gpu(inner_session):
@@ -80,3 +83,39 @@ def test_plain_pytest_refuses_it_in_one_line(inner_session):
          "distributed marker in its own process, not on ranks: launch the suite with python -m "
          "torch.distributed.run --nproc_per_node=N -m pytest"]
     )  # fmt: skip
+
+
+NEEDS_TE = """
+import transformer_engine  # noqa: F401  (a module of upstream's that imports TE at the top)
+
+
+def test_never_collected():
+    pass
+"""
+
+NEEDS_A_TE_FUSION = """
+def test_a_te_only_fusion():
+    raise ValueError("apply_rope_fusion is not available. Please install TE >= 1.4.")
+
+
+def test_a_real_failure():
+    raise ValueError("apply_rope_fusion is not available here")  # not the exact sign: a failure
+"""
+
+
+def test_what_needs_a_gpu_only_cause_is_a_skip_naming_it(inner_session):
+    scenario = inner_session(
+        {"test_needs_te.py": NEEDS_TE, "test_fusion.py": NEEDS_A_TE_FUSION},
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        "-p",
+        "no:cacheprovider",
+        "-rfs",
+        torchrun=True,
+        timeout=240,
+    )
+    scenario.result.assert_outcomes(failed=1, skipped=2)
+    lines = scenario.out.splitlines()
+    assert "SKIPPED [1] test_fusion.py:2: GPU-only: Transformer Engine" in lines
+    assert "SKIPPED [1] test_needs_te.py:1: GPU-only: Transformer Engine" in lines
+    assert "FAILED test_fusion.py::test_a_real_failure" in scenario.out
