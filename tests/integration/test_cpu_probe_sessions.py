@@ -1,6 +1,6 @@
 """The CPU probe in real sessions: a torchrun session's header shows the CPU, its measured speeds
-and the bf16 sizing with its source, and every rank holds rank 0's report; a plain session's parent
-header names the flags and the sizing, its rank log the speeds. Torch only (no megatron).
+and the bf16 sizing with its source, every rank holds rank 0's report and ``run_config`` takes its
+sizing; a plain session's parent header names the flags and the sizing, its rank log the speeds.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 #: the ranks' CPU report, checked in the ranks: the sizing forced (``{verdict}`` from ``{source}``),
-#: rank 1's report equal to rank 0's
+#: rank 1's report equal to rank 0's, and run_config sized by it
 RANK_SIDE = """
 import pytest
 import torch.distributed as dist
@@ -23,6 +23,10 @@ def test_every_rank_holds_rank_0s_report(request, dist_env):
     reports = [None] * dist_env.world_size
     dist.all_gather_object(reports, report.to_json())
     assert reports[0] == reports[1]
+
+@pytest.mark.distributed(world_size=2)
+def test_run_config_takes_the_sizing(run_config):
+    assert run_config.train.slow_bf16_step is ("{verdict}" == "slow-bf16")
 """
 
 #: the measured figures and the sizing at the end of a rank's header line
@@ -41,7 +45,7 @@ def test_a_torchrun_sessions_header_shows_the_measured_speeds_and_the_forced_siz
         env={"MFSDP_CPU_SPEED": "native-bf16"},
     )
     assert session.result.ret == 0, session.out
-    session.result.assert_outcomes(passed=1)
+    session.result.assert_outcomes(passed=2)
     headers = SPEEDS.findall(session.out)
     assert headers == [("native-bf16", "MFSDP_CPU_SPEED")], session.out  # rank 0's line, once
 
@@ -54,7 +58,7 @@ def test_a_plain_sessions_parent_names_the_sizing_and_its_rank_log_the_speeds(in
         "--mfsdp-cpu-speed=slow-bf16",
     )
     assert session.result.ret == 0, session.out
-    session.result.assert_outcomes(passed=1)
+    session.result.assert_outcomes(passed=2)
     parent = [
         line for line in session.out.splitlines() if line.startswith("megatron-fsdp: distributed tests")
     ]
