@@ -3,11 +3,10 @@ natively, which decides how big a bf16 step the tests take there (``--mfsdp-cpu-
 
 Why: torch runs a bf16 matmul on x86 natively only with AVX-512 BF16 (``avx512_bf16``) or AMX
 (``amx_bf16``), on Arm with the BF16 extension (``bf16`` in ``/proc/cpuinfo``'s Features); without
-them it converts to fp32 and back around every block. Measured 2026-12-03 (torch 2.14.1, one thread,
-1024x1024 matmuls): an AMD EPYC with AVX2 only ran fp32 at 31-46 GFLOP/s and bf16 at 1.1; one with
-AVX-512 and ``avx512_bf16`` ran fp32 at 80 and bf16 at 347. A bf16 step sized on one is 300x off on
-the other, so the decision is made from the flags (stable, unlike a timing under load), and the
-measured speeds are printed beside it so that a slow run explains itself.
+them it converts to fp32 and back around every block, some 300 times slower than with them
+(docs/cpu-mode-vs-gpus.md has the figures). The decision is made from the flags (stable, unlike a
+timing on a loaded machine), and the measured speeds are printed beside it so that a slow run
+explains itself.
 
 Plain data and lazy torch: the flags are read without torch (the plain-mode parent's header), the
 speed is measured in rank 0 of a rank session only, on CPU ranks only, and handed to the other

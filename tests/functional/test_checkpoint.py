@@ -514,8 +514,8 @@ def test_megatron_lm_key_layout_for_the_bridge_reference_preset(
 
     run_config.model.preset = "bridge-reference"
     # The key layout and the exact reload depend on the model, not on how many tokens a step sees:
-    # on a CPU without native bf16 the preset's step is its slow_bf16_step (one micro-batch of 64
-    # tokens, not 4 x 512: 195 s for this test alone there), as run_config sizes it for every test.
+    # on a CPU without native bf16 the preset's step is its slow_bf16_step, as run_config sizes it
+    # for every test.
     run = megatron_fsdp_run(run_config)
     run.train(1)
     save_checkpoint(run, checkpoint_dir)
