@@ -118,11 +118,14 @@ def measure_matmul_speed(budget_s: float = 0.1) -> MatmulSpeed:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank's share of a shared machine, comparable across machines
+    # a generator of its own: drawing from the default one would leave rank 0's stream apart from
+    # its peers' for a test that does not reseed
+    generator = torch.Generator().manual_seed(0)
     try:
         speeds = {}
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             n = PROBE_SIZES[name]
-            a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+            a, b = (torch.randn(n, n, generator=generator).to(dtype) for _ in range(2))
             torch.mm(a, b)  # warm-up: kernel selection, first-touch allocations
             count, start = 0, time.perf_counter()
             while True:

@@ -170,7 +170,10 @@ def _measure_and_check(monkeypatch, torch):
         return mm(a, b)
 
     monkeypatch.setattr(torch, "mm", recording_mm)
+    rng = torch.get_rng_state()
     speed = cpu_probe.measure_matmul_speed(budget_s=0.01)
+    assert torch.equal(torch.get_rng_state(), rng)  # rank 0's stream stays its peers'
+
     assert speed.fp32_gflops > 0
     assert speed.bf16_gflops > 0
     assert speed.capability == torch.backends.cpu.get_cpu_capability()
