@@ -74,17 +74,22 @@ def run_config(request: pytest.FixtureRequest, megatron_parallel: DistEnv) -> Ru
     """A fresh Bridge-shaped config with Megatron-FSDP on (Megatron-Bridge's minimal override).
 
     The preset is ``--mfsdp-preset`` or the platform's default (tiny on CPU, the Bridge reference
-    model on GPUs); tp/pp/cp follow the test's marker.
+    model on GPUs); tp/pp/cp follow the test's marker. On CPU ranks without native bf16 (the
+    session's CPU report, ``--mfsdp-cpu-speed``) a bf16 preset's step is its smaller one.
     """
-    return build_run_config(request.node, megatron_parallel.platform, _spec(request))
+    cpu = _rank_session(request).cpu
+    slow_bf16 = cpu is not None and not cpu.verdict.native
+    return build_run_config(request.node, megatron_parallel.platform, _spec(request), slow_bf16)
 
 
-def build_run_config(item: pytest.Item, platform: str, spec: DistributedSpec) -> RunConfig:
+def build_run_config(
+    item: pytest.Item, platform: str, spec: DistributedSpec, slow_bf16: bool = False
+) -> RunConfig:
     """``run_config``'s value for ``item`` on ``platform``: the starting config
     (``fsdp.config.starting_config``) as the session's options and the test's own
     ``@pytest.mark.mfsdp_config(use_megatron_fsdp=, set=, megatron_fsdp_version=, hybrid=)`` make it,
-    with the marker's tp/pp/cp. For a test with no marker of its own it equals the config checked at
-    configure time (``options.checked_starting_config``)."""
+    with the marker's tp/pp/cp (``slow_bf16``: ``train.slow_bf16_step``). For a test with no marker
+    of its own it equals the config checked at configure time (``options.checked_starting_config``)."""
     from .fsdp.config import ConfigError, starting_config
 
     config = item.config
@@ -97,6 +102,7 @@ def build_run_config(item: pytest.Item, platform: str, spec: DistributedSpec) ->
             tp=spec.tp,
             pp=spec.pp,
             cp=spec.cp,
+            slow_bf16=slow_bf16,
         )
     except ConfigError as exc:  # only reachable from a marker: CLI/env/ini fail at configure time
         pytest.fail(f"{item.nodeid}: mfsdp_config marker: {exc}", pytrace=False)

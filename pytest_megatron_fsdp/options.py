@@ -24,6 +24,7 @@ import pytest
 from .fsdp.config import ConfigError, RunConfig, parse_value, starting_config, validate
 from .fsdp.presets import PRESETS
 from .harness import coexist
+from .harness.cpu_probe import CPU_SPEEDS
 from .harness.protocol import MARKER, add_internal_options
 
 PREFIX = "mfsdp"
@@ -246,6 +247,16 @@ OPTIONS: dict[str, Option] = {
             "preset",
             f"model preset: {', '.join(sorted(PRESETS))} (default: tiny on cpu, bridge-reference on cuda)",
             _choice(tuple(sorted(PRESETS))),
+        ),
+        Option(
+            "cpu-speed",
+            "how big a bf16 step tests take on CPU ranks: 'auto' (decided from the CPU's flags: "
+            "avx512_bf16, amx_bf16 or Arm's bf16 run bf16 natively), 'native-bf16' (the presets' own "
+            "sizes) or 'slow-bf16' (a preset's bf16 step shrunk where it has a smaller one, as on a "
+            "CPU with AVX2 only); the header line shows the flags, the measured speeds and the choice",
+            _choice(CPU_SPEEDS),
+            "auto",
+            "auto|native-bf16|slow-bf16",
         ),
         Option(
             "timeout",
@@ -476,6 +487,7 @@ class SessionValues:
 
     platform: str
     preset: str | None
+    cpu_speed: str
     timeout: float
     reruns: int
     #: the kinds of failure that are rerun (empty: every kind)

@@ -171,6 +171,9 @@ class TrainSection:
     global_batch_size: int | None = None
     seq_length: int | None = None  # None: the preset's
     seed: int = 1234
+    #: where bf16 matmuls are slow (CPU ranks without native bf16, ``--mfsdp-cpu-speed``): a bf16 run
+    #: of a preset with a ``slow_bf16_step`` takes that step's sizes for the fields left None above
+    slow_bf16_step: bool = False
 
 
 #: TransformerConfig fields ModelSection carries by name (passed through when the model is built)
@@ -261,9 +264,13 @@ class RunConfig:
         extra = {k: v for k, v in self.model.overrides.items() if k not in preset_fields}
         if self.model.bf16 is not None:
             changes["bf16"] = self.model.bf16
+        bf16 = changes.get("bf16", preset.bf16)
+        slow_step = preset.slow_bf16_step if self.train.slow_bf16_step and bf16 else None
         for name in ("seq_length", "micro_batch_size", "num_microbatches"):
             if getattr(self.train, name) is not None:
                 changes[name] = getattr(self.train, name)
+            elif slow_step is not None and name not in changes:  # a model override of it wins too
+                changes[name] = getattr(slow_step, name)
         if extra:
             changes["transformer_overrides"] = {**preset.transformer_overrides, **extra}
         changes["recipe"] = self.resolved_recipe(preset.recipe)
@@ -1260,15 +1267,18 @@ def starting_config(
     tp: int = 1,
     pp: int = 1,
     cp: int = 1,
+    slow_bf16: bool = False,
 ) -> RunConfig:
     """The config a test's ``run_config`` starts from on ``platform`` ("cpu" or "cuda"), the one
     builder of it: Megatron-Bridge's Megatron-FSDP override, the model ``preset`` (None: the
     platform's default), the model-parallel sizes, Megatron DDP instead where ``use_megatron_fsdp``
     is off (``--mfsdp-use-megatron-fsdp=false``; without the distributed optimizer on CPU ranks),
     then the ``section.field=value`` ``assignments`` in order (``--mfsdp-set``; a bad one raises
-    ConfigError). Not validated: the rules that need a rank run when the run is built."""
+    ConfigError). ``slow_bf16``: bf16 matmuls are slow here (``train.slow_bf16_step``). Not
+    validated: the rules that need a rank run when the run is built."""
     cfg = enable_megatron_fsdp(RunConfig())
     cfg.model.preset = preset or DEFAULT_PRESET[platform]
+    cfg.train.slow_bf16_step = slow_bf16
     cfg.model.tensor_model_parallel_size = tp
     cfg.model.pipeline_model_parallel_size = pp
     cfg.model.context_parallel_size = cp

@@ -49,6 +49,16 @@ class TrainingRecipe:
 
 
 @dataclass(frozen=True)
+class StepSize:
+    """The tokens one optimizer step trains on, per rank: ``micro_batch_size`` sequences of
+    ``seq_length`` tokens, ``num_microbatches`` times."""
+
+    seq_length: int
+    micro_batch_size: int
+    num_microbatches: int
+
+
+@dataclass(frozen=True)
 class ModelPreset:
     """A GPT shape plus the training sizes that go with it."""
 
@@ -79,6 +89,9 @@ class ModelPreset:
     #: symbol, ``*`` self-attention and ``-`` MLP (``*-`` per GPT block: the layout Megatron-LM's
     #: hybrid-model migration guide gives GPT users); ``num_layers`` is the pattern's length
     hybrid_layer_pattern: str | None = None
+    #: the step a bf16 run of this preset takes where bf16 matmuls are slow (a CPU without native bf16:
+    #: ``train.slow_bf16_step``); None: its own step, cheap enough everywhere
+    slow_bf16_step: StepSize | None = None
     #: extra TransformerConfig fields
     transformer_overrides: dict[str, Any] = field(default_factory=dict)
     #: the optimizer and learning-rate schedule
@@ -148,6 +161,10 @@ PRESETS: dict[str, ModelPreset] = {
         # Bridge's global batch of 8 on its 2 GPUs: micro-batch 1 x 4 micro-batches x 2 ranks
         num_microbatches=4,
         data="mock-gpt",
+        # One step of 4 x 512 tokens is bf16 matmuls of hidden 768 and ffn 2688: 195 s on a CPU
+        # without native bf16 (AVX2 only, ~1 GFLOP/s in bf16), under a second with avx512_bf16.
+        # One micro-batch of 64 tokens keeps the model (its layers, shapes and checkpoint layout).
+        slow_bf16_step=StepSize(seq_length=64, micro_batch_size=1, num_microbatches=1),
         transformer_overrides={"init_method_std": 0.01, "layernorm_epsilon": 1e-5},
         # Bridge's create_base_optimizer_config / create_base_scheduler_config: Adam, lr 3e-3 with
         # 2 warm-up iterations from 0 and cosine decay to 1e-6 over the run, clipping at 1.0; the

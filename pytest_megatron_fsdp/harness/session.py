@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from ..environment import DistEnv
-from . import flight_recorder, owned_temp
+from . import cpu_probe, flight_recorder, owned_temp
 from .platform import PlatformChoice
 
 #: this rank's session (None until a collected test needs one, and after it closed)
@@ -271,6 +271,8 @@ class RankSession:
         self._signs_of_life: dict[int, tuple[bytes | None, float]] = {}
         #: set once peers are known to be gone: nobody waits for them any more
         self.peers_gone = False
+        #: what the CPU ranks run on and how big a bf16 step they take (None on GPUs)
+        self.cpu: cpu_probe.CpuReport | None = None
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once per registration) each time the process group is about to go.
@@ -381,8 +383,10 @@ class RankSession:
         choice: PlatformChoice,
         pg_timeout_s: float,
         shared_root: str | None = None,
+        cpu_speed: tuple[str, str] = ("auto", "default"),
     ) -> RankSession:
-        """Bring up the process group on ``choice``'s platform (CPU emulation already enabled)."""
+        """Bring up the process group on ``choice``'s platform (CPU emulation already enabled).
+        ``cpu_speed``: ``--mfsdp-cpu-speed``'s value and the label of its source (CPU ranks only)."""
         # Before the first process group: torch's flight recorder then records every collective
         # (a hang report names who is missing from which one).
         flight_recorder.enable(os.environ)
@@ -414,6 +418,8 @@ class RankSession:
             shared_dir=Path(shared_dir),
         )
         session = cls(env, choice, store, harness_store, timeout)
+        if choice.platform == "cpu":  # never on GPUs: their bf16 is the GPU's, not the CPU's
+            session.cpu = cpu_probe.agreed_cpu_report(torchrun.rank, harness_store, *cpu_speed)
         session._init_process_group()
         if torchrun.launched_by:  # srun: nobody else watches these ranks
             session.heartbeat = Heartbeat(torchrun, timeout)
@@ -489,10 +495,11 @@ class RankSession:
 
     def header(self, stack: str) -> str:
         """The session's header line; ``stack`` names the package versions under test."""
-        return (
+        line = (
             f"megatron-fsdp: platform={self.env.platform} ({self.choice.reason}), "
             f"backend={self.env.backend}, world_size={self.env.world_size}, {stack}"
         )
+        return line if self.cpu is None else f"{line}; {self.cpu.describe()}"
 
     def close(self) -> None:
         """Leave together (bounded: a dead rank is not waited for), then tear down."""

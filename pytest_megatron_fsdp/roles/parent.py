@@ -16,7 +16,7 @@ import pytest
 
 from .. import marker, options
 from ..fsdp import versions
-from ..harness import protocol
+from ..harness import cpu_probe, protocol
 from ..harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from ..harness.explain import rerun_summary
 from ..harness.gpu_slices import GpuSliceError
@@ -99,6 +99,7 @@ class ParentPlugin(RolePlugin):
                 "megatron-fsdp: distributed tests run in rank sets launched with torchrun; "
                 + "; ".join(lines)
                 + f"; {versions.stack_description()}"
+                + _cpu_line(config, controller)
             )
             if missing := versions.missing_features_line():
                 reporter.write_line(missing)
@@ -150,6 +151,17 @@ class ParentPlugin(RolePlugin):
             for line in lines:
                 terminalreporter.write_line(line)
         show_summary(terminalreporter, config, "plain")
+
+
+def _cpu_line(config: pytest.Config, controller: Controller) -> str:
+    """Where a rank set runs on CPU: the CPU's flags and the bf16 sizing they make, as its ranks
+    decide it (their header, in the rank logs, adds the speeds: this process imports no torch)."""
+    if "cpu" not in controller.platforms.values():
+        return ""
+    values = options.session_values(config)
+    facts = cpu_probe.read_cpu_facts()
+    verdict = cpu_probe.decide_bf16(values.cpu_speed, values.source_of("cpu-speed"), facts)
+    return f"; {cpu_probe.CpuReport(facts, verdict).describe()} (speeds: the rank logs' header)"
 
 
 PLUGINS[Role.PARENT] = ParentPlugin

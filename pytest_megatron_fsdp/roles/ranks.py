@@ -145,11 +145,13 @@ class _RankRolePlugin(RolePlugin):
         if not self.LAUNCHED:
             # before the ranks connect: every rank refuses alike
             coexist.refuse_rerunfailures_under_torchrun(session.items)
+        values = options.session_values(config)
         rank_session = RankSession.start(
             self.torchrun,
             config.stash[PLATFORM],
-            pg_timeout_s=options.session_values(config).pg_timeout,
+            pg_timeout_s=values.pg_timeout,
             shared_root=self._shared_root(config),
+            cpu_speed=(values.cpu_speed, values.source_of("cpu-speed")),
         )
         config.stash[RANK_SESSION] = rank_session
         self.runner.check_same_collection(session, rank_session)

@@ -514,10 +514,8 @@ def test_megatron_lm_key_layout_for_the_bridge_reference_preset(
 
     run_config.model.preset = "bridge-reference"
     # The key layout and the exact reload depend on the model, not on how many tokens a step sees:
-    # one micro-batch of 64 tokens instead of the preset's 4 x 512. The preset's step is bf16 matmuls
-    # of hidden 768 and ffn 2688, which a CPU without native bf16 (AVX2 only) runs at about 1 GFLOP/s:
-    # 195 s for this test alone and past its 300 s timeout beside another rank set on 2 cores.
-    run_config.train.seq_length, run_config.train.num_microbatches = 64, 1
+    # on a CPU without native bf16 the preset's step is its slow_bf16_step, as run_config sizes it
+    # for every test.
     run = megatron_fsdp_run(run_config)
     run.train(1)
     save_checkpoint(run, checkpoint_dir)
