@@ -5,8 +5,10 @@
 * all ranks must have collected the same tests in the same order (checked through the store);
 * after each test the ranks agree on its outcome through the store, with bounded waits: a failure
   on one rank fails the test on all, carrying that rank's traceback and captured output;
-* a watchdog per test: on expiry it dumps every thread's stack (faulthandler) and ends the rank,
-  since a rank stuck in a collective cannot be unwound;
+* a watchdog per test: on expiry it dumps every thread's stack (faulthandler); a launched rank then
+  ends (its parent runs the rest in a fresh rank set), a torchrun-mode or srun rank interrupts the
+  test, which fails, and goes on (and where its main thread never comes back, reports the session
+  from the watchdog thread and ends);
 * in a rank set launched by the plugin (plain-pytest mode) rank 0 streams the agreed reports to the
   parent session as JSON lines.
 """
