@@ -248,3 +248,55 @@ def rerun_summary(reports: list[Any]) -> list[str]:
                 "the earlier failures are sections of its report (-rP shows them)"
             )
     return lines
+
+
+# -- a test's timeout in a rank that reports its own session (torchrun, srun) -------------------------
+
+
+def timeout_banner(nodeid: str, timeout: float, rank: int, interrupts: bool) -> str:
+    """The line a rank's watchdog writes before this rank's stacks, in its log (where the post-mortem
+    command and a plain-mode parent find it) and, in a rank whose process ends here, on stderr.
+    ``interrupts``: the rank interrupts the test and goes on (torchrun, srun), else it ends."""
+    then = (
+        "the test is interrupted and fails on every rank; the session goes on"
+        if interrupts
+        else "then the rank is ended (a rank stuck in a collective cannot be unwound)"
+    )
+    return (
+        f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {rank}; "
+        f"stacks of every thread follow, {then}"
+    )
+
+
+def timed_out_in_rank(banner: str, collectives: list[str], stacks: str) -> str:
+    """The failure a rank's watchdog raises in its main thread when the test's time is up: the
+    banner (its first line, what summaries show), who is stuck in which collective (rank 0, from
+    every rank's flight record) and this rank's stacks at that moment."""
+    return "\n".join([banner, *collectives, "stacks at the timeout:", stacks.rstrip()])
+
+
+def main_thread_stuck(nodeid: str, rank: int, grace: float) -> str:
+    """Why a rank cannot go on after a timeout: its main thread did not come back to Python (where
+    the interruption fails the test) within ``grace`` seconds."""
+    return (
+        f"rank {rank} did not come back from the timeout of {nodeid} within {grace:g} s (its main "
+        "thread is stuck outside Python: a C or C++ call, a collective that never returns); the rank "
+        "is ended"
+    )
+
+
+def timed_out_and_stuck(nodeid: str, rank: int, grace: float, banner: str, stacks: str) -> str:
+    """The failure of a test whose rank never came back from its timeout, reported by that rank's
+    watchdog as the session ends (rank 0 writes the JUnit file and the summary from there)."""
+    return "\n".join(
+        [banner, f"megatron-fsdp: {main_thread_stuck(nodeid, rank, grace)}", "stacks:", stacks.rstrip()]
+    )
+
+
+def not_run(nodeid: str, rank: int) -> str:
+    """Why a test after a rank that never came back from a timeout was not run."""
+    return f"not run: the session ended after {nodeid} timed out on rank {rank}"
+
+
+def tests_not_run_heading(count: int) -> str:
+    return f"megatron-fsdp: {count} test{'s' if count != 1 else ''} not run"

@@ -241,15 +241,19 @@ def align(traces: Mapping[int, Mapping[str, Any]], now_ns: int) -> list[str]:
     return lines
 
 
-def section(log_dir: Path, world_size: int, now_ns: int) -> list[str]:
+def section(log_dir: Path, world_size: int, now_ns: int, since_ns: int = 0) -> list[str]:
     """The "collectives" section of a timeout report, from the dumps in ``log_dir`` (a rank with no
-    dump there is left out), with the commands that read them again; [] when there is none."""
+    dump there is left out), with the commands that read them again; [] when there is none.
+    ``since_ns``: only the collectives created since then (wall clock), e.g. the timed-out test's:
+    a process group rebuilt after an earlier failed test numbers its collectives from 1 again, and
+    the records of the earlier groups would be taken for this one's."""
     paths = dump_paths(log_dir)
     traces = {}
     for rank in range(world_size):
         trace = load(paths[rank]) if rank in paths else None
         if trace is not None:
-            traces[rank] = trace
+            entries = [e for e in trace.get("entries", []) if int(e.get("time_created_ns") or 0) >= since_ns]
+            traces[rank] = {**trace, "entries": entries}
     aligned = align(traces, now_ns)
     if not aligned:
         return []

@@ -5,8 +5,10 @@
 * all ranks must have collected the same tests in the same order (checked through the store);
 * after each test the ranks agree on its outcome through the store, with bounded waits: a failure
   on one rank fails the test on all, carrying that rank's traceback and captured output;
-* a watchdog per test: on expiry it dumps every thread's stack (faulthandler) and ends the rank,
-  since a rank stuck in a collective cannot be unwound;
+* a watchdog per test: on expiry it dumps every thread's stack (faulthandler); a launched rank then
+  ends (its parent runs the rest in a fresh rank set), a torchrun-mode or srun rank interrupts the
+  test, which fails, and goes on (and where its main thread never comes back, reports the session
+  from the watchdog thread and ends);
 * in a rank set launched by the plugin (plain-pytest mode) rank 0 streams the agreed reports to the
   parent session as JSON lines.
 """
@@ -16,12 +18,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import functools
 import json
 import logging
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -30,17 +34,17 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TextIO, cast
+from typing import IO, Any, Literal, TextIO, cast
 
 import pytest
 
-from . import coexist, flight_recorder, protocol, pytest_compat, warnings_relay
+from . import coexist, explain, flight_recorder, protocol, pytest_compat, warnings_relay
 from .agreement import headlined_failure, merge_reports, summarise
 from .held_terminal import HELD_TERMINAL
+from .interrupt import MainThreadInterrupt
 from .protocol import (
     BATCH_FILE_DEST,
     REPORT_FILE_DEST,
-    TIMEOUT_BANNER,
     TIMEOUT_EXIT_CODE,
     encode_event,
     read_batch,
@@ -48,6 +52,7 @@ from .protocol import (
 )
 from .session import (
     RANK_SESSION,
+    PeerStuck,
     RankSession,
     SessionCannotGoOn,
     TorchrunEnv,
@@ -58,6 +63,17 @@ from .session import (
 #: How long a rank whose test timed out waits for the peers' flight records and stacks before it
 #: exits (a peer whose thread cannot get the GIL is dumped by faulthandler's C watchdog instead).
 PEER_DUMP_GRACE_S = 5.0
+
+#: How long after a test's timeout a rank that survives its timeouts (torchrun, srun) waits for its
+#: main thread to come back to Python, where the interruption fails the test, before it reports the
+#: session from its watchdog and ends: a thread stuck in C or C++ (a collective whose peers never
+#: release it, a blocking call with the signal blocked) never does. The peers' outcome exchange
+#: waits as long for it.
+RECOVERY_GRACE_S = 20.0
+#: How long after interrupting the main thread the watchdog releases the process group itself, the
+#: main thread not being back in Python by then: a rank stuck outside Python for good would hold
+#: its peers in their collectives with it until the process-group timeout.
+RELEASE_AFTER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,9 @@ class RankDuties:
     relays_warnings: bool
     #: what becomes of the session when a rank cannot go on with its peers (said in the failure)
     when_it_cannot_go_on: str
+    #: a test's timeout interrupts the test, which fails, and the session goes on (a rank that
+    #: reports its own session: nobody else would run the later tests); else the rank ends
+    survives_timeouts: bool = False
 
 
 class RankRunner:
@@ -115,6 +134,13 @@ class RankRunner:
         self._relay_warnings = duties.relays_warnings and warnings_relay.active(config)
         #: the current test's warnings, every rank's merged (set by _exchange_outcomes)
         self._test_warnings: list[dict[str, Any]] = []
+        #: fails the running test from the watchdog at its timeout (ranks that survive timeouts)
+        self._interrupt = MainThreadInterrupt()
+        #: the tests the session did not run after a rank never came back from a timeout
+        self._not_run: list[str] = []
+        #: set when a peer never came back from a timeout: rank 0 tells it once the session is
+        #: reported (at unconfigure), so that its end cannot stop rank 0 first
+        self._stuck_peer_session: RankSession | None = None
 
     def open_log(self, config: pytest.Config) -> None:
         """The rank's log, fault handlers and event stream; its terminal report to the log where
@@ -201,6 +227,16 @@ class RankRunner:
         if self.events is not None:
             self.events.close()
         self.log.close()
+        if self._stuck_peer_session is not None and self.rank == 0:
+            # the JUnit file and the summary are written: the peer that never came back may end
+            self._stuck_peer_session.mark_reported()
+
+    def not_run_lines(self) -> list[str]:
+        """The terminal summary's section on the tests not run after a rank never came back from a
+        timeout (empty when every test ran)."""
+        if not self._not_run:
+            return []
+        return [explain.tests_not_run_heading(len(self._not_run)), *self._not_run]
 
     # -- collection ---------------------------------------------------------------------------------
 
@@ -281,12 +317,18 @@ class RankRunner:
         self._log(f"START {item.nodeid} (timeout {timeout:g} s)")
         self._event(protocol.Started(nodeid=item.nodeid))
         deadline = time.monotonic() + timeout
-        with self._watchdog(item.nodeid, timeout):
+        survives = self.duties.survives_timeouts
+        # A rank that survives its timeouts watches the test alone: the outcome exchange after it has
+        # a bound of its own. A launched rank ends at the timeout, exchange included (its parent
+        # runs the rest of the batch in a fresh rank set).
+        watch = self._watchdog(item, timeout)
+        around_exchange, around_test = (nullcontext(), watch) if survives else (watch, nullcontext())
+        with around_exchange:
             relay: AbstractContextManager[list[warnings.WarningMessage]] = (
                 warnings_relay.capture() if self._relay_warnings else nullcontext([])
             )
-            with relay as caught:
-                reports = pytest_compat.runtestprotocol(item, nextitem=nextitem, log=False)
+            with relay as caught, around_test:
+                reports = self._run_interruptibly(item, nextitem, rank_session)
                 self._check_after_test(item, reports, rank_session)
             try:
                 merged = self._exchange_outcomes(
@@ -296,6 +338,16 @@ class RankRunner:
                 if exc.__cause__ is not None:  # the whole story for the log; the report gets one line
                     self._log("".join(traceback.format_exception(exc.__cause__)).rstrip())
                 merged = self._alone(item, reports, str(exc))
+                if isinstance(exc, PeerStuck) and survives:
+                    # no later test can run: each is reported as not run, by name, with the reason
+                    self._stuck_peer_session = rank_session
+                    self._log_merged(item, merged)
+                    self._report_not_run(item, explain.not_run(item.nodeid, exc.rank))
+                    return True
+        self._log_merged(item, merged)
+        return True
+
+    def _log_merged(self, item: pytest.Item, merged: list[pytest.TestReport]) -> None:
         if self._test_warnings:
             self._event(protocol.Warnings(nodeid=item.nodeid, warnings=self._test_warnings))
         for report in merged:
@@ -304,7 +356,55 @@ class RankRunner:
             self._event(protocol.Report(report=data))
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         self._event(protocol.Finished(nodeid=item.nodeid))
-        return True
+
+    def _run_interruptibly(
+        self, item: pytest.Item, nextitem: pytest.Item | None, rank_session: RankSession
+    ) -> list[pytest.TestReport]:
+        """pytest's run of the test, which the watchdog may interrupt at its timeout (a rank that
+        survives its timeouts): the failure is raised where the main thread is, in a phase, so the
+        phase fails; an interruption that lands between phases, in pytest's own code, fails the
+        test here."""
+        reports: list[pytest.TestReport] = []
+        try:
+            with self._interrupt.armed():
+                reports = pytest_compat.runtestprotocol(item, nextitem=nextitem, log=False)
+        except pytest.fail.Exception as exc:
+            if not self._interrupt.fired:
+                raise
+            with contextlib.suppress(Exception):  # the fixtures' teardown, as far as it goes
+                pytest_compat.teardown_local_state(item, nextitem)
+            interruption: BaseException = exc
+            when: Literal["call", "teardown"] = "teardown" if reports else "call"
+            call = pytest.CallInfo.from_call(functools.partial(_raise, interruption), when)
+            reports.append(pytest.TestReport.from_item_and_call(item, call))
+            rank_session.release_peers()
+            self._released = True
+        return reports
+
+    def _report_not_run(self, after: pytest.Item, reason: str) -> None:
+        """Each test after ``after`` is reported skipped with ``reason`` (the session ends here)."""
+        items = after.session.items
+        later = items[items.index(after) + 1 :] if after in items else []
+        for item in later:
+            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+            _path, lineno, _ = item.location
+            for when, outcome, longrepr in (
+                ("setup", "skipped", (str(item.path), (lineno or 0) + 1, reason)),
+                ("teardown", "passed", None),
+            ):
+                report = pytest.TestReport(
+                    nodeid=item.nodeid,
+                    location=item.location,
+                    keywords={k: 1 for k in item.keywords},
+                    outcome=outcome,  # type: ignore[arg-type]
+                    longrepr=longrepr,
+                    when=when,  # type: ignore[arg-type]
+                )
+                item.ihook.pytest_runtest_logreport(report=report)
+            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        self._not_run = [item.nodeid for item in later]
+        if later:
+            self._log(f"{len(later)} tests not run: {reason}")
 
     def _alone(
         self, item: pytest.Item, reports: list[pytest.TestReport], why: str
@@ -405,48 +505,27 @@ class RankRunner:
             self.log.write(f"FAILED (agreed) {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
 
     @contextmanager
-    def _watchdog(self, nodeid: str, timeout: float) -> Iterator[None]:
+    def _watchdog(self, item: pytest.Item, timeout: float) -> Iterator[None]:
+        nodeid = item.nodeid
         done = threading.Event()
+        started_ns = time.time_ns()
 
         def expire() -> None:
             if done.wait(timeout):
                 return
+            expired_at = time.monotonic()
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
-            # exits): torch's record of this rank's collectives, beside its log, for the parent to align.
+            # exits): torch's record of this rank's collectives, beside its log, for rank 0 (or the
+            # parent) to align.
             flight_recorder.dump(flight_recorder.dump_path(self.log_path.parent, self.rank))
-            # This process ends here, without teardown or unconfigure, and may be killed any time
-            # once a peer has seen its marker below (torchrun stops the others as soon as one
-            # rank exits): its temp trees go now, before it tells the peers it is done.
-            rank_session = self.config.stash.get(RANK_SESSION, None)
-            if rank_session is not None and self.rank == 0:
-                shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
-            if self._private_temp is not None:
-                shutil.rmtree(self._private_temp, ignore_errors=True)
-            if self.duties.reports_itself:
-                # torchrun mode: the terminal is the only place the user sees (a launched rank
-                # set's parent reports from the logs, and its torchrun output is only a tail)
-                self._release_terminal()
-            banner = (
-                f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {self.rank}; "
-                "stacks of every thread follow, then the rank is ended (a rank stuck in a collective "
-                "cannot be unwound)"
-            )
-            for stream in (self.log, sys.stderr):
-                try:
-                    stream.write(banner + "\n")
-                    stream.flush()
-                    faulthandler.dump_traceback(file=stream, all_threads=True)
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            self._await_peer_dumps(nodeid)
-            if self.duties.reports_itself:
-                self._align_collectives(nodeid)
-            save_coverage()  # os._exit skips the atexit handler that would write it
-            os._exit(TIMEOUT_EXIT_CODE)
+            if self.duties.survives_timeouts:
+                self._interrupt_at_timeout(item, timeout, done, expired_at, started_ns)
+            else:
+                self._end_at_timeout(nodeid, timeout)
 
         # Backup in C, should the GIL never come back to the thread above.
-        faulthandler.dump_traceback_later(timeout + 10, exit=True, file=self.log)
+        backup = timeout + (RECOVERY_GRACE_S + 8 if self.duties.survives_timeouts else 10)
+        faulthandler.dump_traceback_later(backup, exit=True, file=self.log)
         thread = threading.Thread(target=expire, name="mfsdp-watchdog", daemon=True)
         thread.start()
         try:
@@ -454,6 +533,123 @@ class RankRunner:
         finally:
             done.set()
             faulthandler.cancel_dump_traceback_later()
+
+    def _interrupt_at_timeout(
+        self, item: pytest.Item, timeout: float, done: threading.Event, expired_at: float, started_ns: int
+    ) -> None:
+        """A rank that survives its timeouts (torchrun, srun): its stacks and, on rank 0, every
+        rank's aligned collectives into the failure, which is raised in the main thread where it is
+        in Python (a peer's release of the process group brings a rank waiting in a collective
+        back); the session goes on with the next test. A main thread that does not come back within
+        :data:`RECOVERY_GRACE_S` ends the rank (:meth:`_end_stuck`)."""
+        nodeid = item.nodeid
+        banner = explain.timeout_banner(nodeid, timeout, self.rank, interrupts=True)
+        stacks = _stacks_of_every_thread()
+        with contextlib.suppress(OSError, ValueError):
+            self.log.write(f"{banner}\n{stacks}")
+            self.log.flush()
+        self._await_peer_dumps(nodeid)
+        collectives: list[str] = []
+        if self.rank == 0 and self.duties.reports_itself:
+            log_dir, world = self.log_path.parent, self.torchrun.world_size
+            collectives = flight_recorder.section(log_dir, world, time.time_ns(), started_ns)
+            with contextlib.suppress(OSError, ValueError):
+                self.log.write("".join(f"{line}\n" for line in collectives))
+        self._interrupt.fire(explain.timed_out_in_rank(banner, collectives, stacks))
+        if done.wait(RELEASE_AFTER_S):
+            return
+        # Not back in Python: in a collective (whose peers, interrupted, release the group and so
+        # bring it back), or stuck for good, in which case peers waiting in a collective with it
+        # are brought back by its release of the group here (gloo sees the connection close; a
+        # group's abort or destroy does not end this rank's own wait in a collective).
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
+        if rank_session is not None:
+            with contextlib.suppress(Exception):  # a group already gone: nothing to release
+                rank_session.release_peers()
+            self._released = True
+        if done.wait(max(expired_at + RECOVERY_GRACE_S - time.monotonic(), 0)):
+            return
+        self._end_stuck(item, banner, expired_at)
+
+    def _end_stuck(self, item: pytest.Item, banner: str, expired_at: float) -> None:
+        """The main thread never came back from the timeout: tell the peers (they stop waiting for
+        this rank's outcome), report the session from here on rank 0 (every result so far, this test
+        failed, the rest not run: JUnit file and summary), leave once rank 0 has reported, end."""
+        nodeid = item.nodeid
+        why = explain.main_thread_stuck(nodeid, self.rank, RECOVERY_GRACE_S)
+        stacks = _stacks_of_every_thread()
+        with contextlib.suppress(OSError, ValueError):
+            self._log(why)
+            self.log.write(stacks)
+            self.log.flush()
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
+        if rank_session is not None:
+            rank_session.mark_stuck(why)
+        if self.rank == 0 and self.duties.reports_itself:
+            message = explain.timed_out_and_stuck(nodeid, self.rank, RECOVERY_GRACE_S, banner, stacks)
+            with contextlib.suppress(Exception):  # whatever a hook raises, the rank ends below
+                self._report_from_watchdog(item, message)
+            if rank_session is not None:
+                rank_session.mark_closing()
+                rank_session.mark_reported()
+        elif rank_session is not None:
+            # torchrun stops every rank as soon as one exits: rank 0 reports first
+            rank_session.mark_closing()
+            rank_session.wait_reported(expired_at + RECOVERY_GRACE_S + 7)
+        self._remove_temp_trees()
+        save_coverage()  # os._exit skips the atexit handler that would write it
+        os._exit(TIMEOUT_EXIT_CODE)
+
+    def _report_from_watchdog(self, item: pytest.Item, message: str) -> None:
+        """Rank 0's report of a session whose main thread is stuck, from the watchdog thread: the
+        test's failure and the later tests not run go through pytest's report hooks (the terminal,
+        the JUnit file), then the session's end hooks write the JUnit file and the summary."""
+        session = item.session
+        self._release_terminal()
+        # the rank session's close would wait for this thread's own main thread: it ends without
+        self.config.stash[RANK_SESSION] = None
+        for when, outcome in (("setup", "passed"), ("call", "failed"), ("teardown", "passed")):
+            report = pytest.TestReport(
+                nodeid=item.nodeid,
+                location=item.location,
+                keywords={k: 1 for k in item.keywords},
+                outcome=outcome,  # type: ignore[arg-type]
+                longrepr=headlined_failure(item, message) if outcome == "failed" else None,
+                when=when,  # type: ignore[arg-type]
+            )
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        self._report_not_run(item, explain.not_run(item.nodeid, self.rank))
+        self.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)
+        sys.stdout.flush()
+
+    def _remove_temp_trees(self) -> None:
+        """This process ends without teardown or unconfigure: its temp trees go now."""
+        rank_session = self.config.stash.get(RANK_SESSION, None)
+        if rank_session is not None and self.rank == 0:
+            shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
+        if self._private_temp is not None:
+            shutil.rmtree(self._private_temp, ignore_errors=True)
+
+    def _end_at_timeout(self, nodeid: str, timeout: float) -> None:
+        """A launched rank: its stacks into its log, and the rank ends (its parent reports the
+        timeout from the logs and runs the rest of the batch in a fresh rank set)."""
+        # This process ends here, without teardown or unconfigure, and may be killed any time
+        # once a peer has seen its marker below (torchrun stops the others as soon as one
+        # rank exits): its temp trees go now, before it tells the peers it is done.
+        self._remove_temp_trees()
+        banner = explain.timeout_banner(nodeid, timeout, self.rank, interrupts=False)
+        for stream in (self.log, sys.stderr):
+            try:
+                stream.write(banner + "\n")
+                stream.flush()
+                faulthandler.dump_traceback(file=stream, all_threads=True)
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        self._await_peer_dumps(nodeid)
+        save_coverage()  # os._exit skips the atexit handler that would write it
+        os._exit(TIMEOUT_EXIT_CODE)
 
     def _tell_terminal(self, line: str) -> None:
         """One line to the terminal from a rank whose report goes to its log."""
@@ -490,32 +686,6 @@ class RankRunner:
                 pass  # a peer has not got there yet
             time.sleep(0.05)
 
-    def _align_collectives(self, nodeid: str) -> None:
-        """torchrun mode, where no parent aligns the ranks' flight records: rank 0 writes the
-        "collectives" section (as the plain-mode parent adds it to the report) to the terminal and
-        its log; the other ranks stay until it has (bounded), since torchrun stops every rank as
-        soon as one exits. Dumps in log directories that other nodes do not share are left out."""
-        log_dir = self.log_path.parent
-        aligned = log_dir / "rank0.aligned"
-        if self.rank == 0:
-            lines = flight_recorder.section(log_dir, self.torchrun.world_size, time.time_ns())
-            for stream in (self.log, sys.stderr):
-                try:
-                    stream.write("".join(f"{line}\n" for line in lines))
-                    stream.flush()
-                except (OSError, ValueError):
-                    pass
-            aligned.write_text(nodeid)
-            return
-        deadline = time.monotonic() + PEER_DUMP_GRACE_S
-        while time.monotonic() < deadline:
-            try:
-                if aligned.read_text() == nodeid:
-                    return
-            except OSError:
-                pass  # rank 0 has not got there yet
-            time.sleep(0.05)
-
     def _exchange_outcomes(
         self,
         item: pytest.Item,
@@ -529,9 +699,13 @@ class RankRunner:
         reports (the warnings, merged, go to ``self._test_warnings``)."""
         mine = {r.when: summarise(r) for r in reports}
         released, self._released = self._released, False
+        # Bounded by the test's own deadline, past which the watchdog ends a launched rank anyway.
+        # A rank that survives its timeouts waits as long past it as a peer's watchdog gives that
+        # peer to come back from the timeout (a fresh bound where the test timed out); a peer that
+        # does not come back says so (PeerStuck). In an srun step a peer that is gone (no sign of
+        # life) ends the wait sooner (PeersGone).
+        grace = RECOVERY_GRACE_S if self.duties.survives_timeouts else 0.0
         try:
-            # Bounded by the test's own deadline; past it the watchdog ends this rank anyway. In an
-            # srun step a peer that is gone (no sign of life) ends the wait sooner (PeersGone).
             exchanged = rank_session.exchange(
                 f"test/{index}",
                 json.dumps(
@@ -542,7 +716,7 @@ class RankRunner:
                         "warnings": warnings_data or [],
                     }
                 ),
-                datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + 5),
+                datetime.timedelta(seconds=max(deadline - time.monotonic(), 0) + grace + 5),
                 f"the outcome of {item.nodeid}",
             )
             outcomes = [json.loads(value) for value in exchanged]
@@ -568,6 +742,18 @@ class RankRunner:
             self._log(f"process group rebuilt after {item.nodeid} (generation {rank_session.generation})")
         log_dir = self.log_path.parent
         return merge_reports(item, reports, per_rank, self.rank, log_dir)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _stacks_of_every_thread() -> str:
+    """faulthandler's dump of every thread's Python stack, as text (it writes to a file only)."""
+    with tempfile.TemporaryFile("w+") as dump:
+        faulthandler.dump_traceback(file=dump, all_threads=True)
+        dump.seek(0)
+        return dump.read()
 
 
 def save_coverage() -> bool:

@@ -86,6 +86,16 @@ class PeersGone(SessionCannotGoOn):
     """Peers that this rank waits for are gone (killed, their node lost): the session cannot go on."""
 
 
+class PeerStuck(SessionCannotGoOn):
+    """A peer's watchdog said that its main thread never came back from a test's timeout: that peer
+    stays alive until the session is reported, then ends; no later test can have every rank."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        #: the (lowest) rank that is stuck
+        self.rank = rank
+
+
 class Heartbeat:
     """A rank's sign of life in the rendezvous store, for ranks that nothing else watches.
 
@@ -273,6 +283,7 @@ class RankSession:
         self.peers_gone = False
         #: what the CPU ranks run on and how big a bf16 step they take (None on GPUs)
         self.cpu: cpu_probe.CpuReport | None = None
+        self._release_lock = threading.RLock()
 
     def on_release(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (once per registration) each time the process group is about to go.
@@ -325,13 +336,16 @@ class RankSession:
         """
         import torch.distributed as dist
 
-        self._release_dependents()
-        if dist.is_initialized():
-            # Tell the peers before the group goes (the store outlives it): a collective they are
-            # in, or enter, now fails, and collectives_released() lets their teardowns know why.
-            with contextlib.suppress(Exception):  # a store that is gone: the peers are gone too
-                self.store.set(f"released/{self.generation}", str(self.env.rank))
-            dist.destroy_process_group()
+        # a rank's watchdog releases the group too, from its own thread, when the test's main
+        # thread does not come back from a timeout
+        with self._release_lock:
+            self._release_dependents()
+            if dist.is_initialized():
+                # Tell the peers before the group goes (the store outlives it): a collective they
+                # are in, or enter, now fails, and collectives_released() lets their teardowns know.
+                with contextlib.suppress(Exception):  # a store that is gone: the peers are gone too
+                    self.store.set(f"released/{self.generation}", str(self.env.rank))
+                dist.destroy_process_group()
 
     def collectives_released(self) -> bool:
         """Whether a failure released this process group (on this rank, or on another one, as told
@@ -440,30 +454,40 @@ class RankSession:
         return [self.store.get(key) for key in keys]
 
     def wait_for_peers(self, keys: list[str], timeout: datetime.timedelta, what: str) -> None:
-        """``store.wait(keys, timeout)``; where this rank counts on heartbeats (an srun step), in
-        slices: a peer whose key is missing and that has given no sign of life for
-        :data:`PEER_SILENCE_S` raises :class:`PeersGone`, and so does a store that is gone."""
+        """``store.wait(keys, timeout)``, in slices: a peer whose key is missing and whose watchdog
+        said it is stuck (:meth:`mark_stuck`) raises :class:`PeerStuck`; where this rank counts on
+        heartbeats (an srun step), one that has given no sign of life for :data:`PEER_SILENCE_S`
+        raises :class:`PeersGone`, and so does a store that is gone."""
         import torch.distributed as dist
 
-        if self.heartbeat is None:
-            self.store.wait(keys, timeout)
-            return
         until = time.monotonic() + timeout.total_seconds()
         while True:
             remaining = until - time.monotonic()
             try:
-                self.store.wait(keys, datetime.timedelta(seconds=max(min(remaining, 2.0), 0.1)))
+                self.store.wait(keys, datetime.timedelta(seconds=max(min(remaining, 1.0), 0.1)))
                 return
             except dist.DistNetworkError as exc:
+                if self.heartbeat is None:
+                    raise
                 raise self._store_gone(what, exc) from None
             except dist.DistStoreError:
                 if remaining <= 0:
-                    raise  # the caller's timeout, as without heartbeats
+                    raise  # the caller's timeout
             try:
                 missing = [int(key.rsplit("/", 1)[-1]) for key in keys if not self.store.check([key])]
-                silent = self._silent(missing)
+                stuck = {
+                    rank: self.store.get(f"stuck/{rank}").decode()
+                    for rank in missing
+                    if self.store.check([f"stuck/{rank}"])
+                }
+                silent = self._silent(missing) if self.heartbeat is not None else []
             except (dist.DistError, RuntimeError) as exc:
+                if self.heartbeat is None:
+                    raise
                 raise self._store_gone(what, exc) from None
+            if stuck:
+                first = min(stuck)
+                raise PeerStuck(f"{stuck[first]} while this rank waited for {what}", first)
             if silent:
                 self.peers_gone = True
                 names = ", ".join(map(str, silent))
@@ -472,6 +496,35 @@ class RankSession:
                     f"{PEER_SILENCE_S:g} s while this rank waited for {what} (killed, out of memory, "
                     "or its node lost?)"
                 )
+
+    def mark_stuck(self, why: str) -> None:
+        """Tell the peers that this rank's main thread will not come back (its watchdog calls this):
+        a peer waiting for this rank's outcome then stops waiting (:class:`PeerStuck`)."""
+        with contextlib.suppress(Exception):  # a store that is gone: nobody waits any more
+            self.store.set(f"stuck/{self.env.rank}", why)
+
+    def mark_closing(self) -> None:
+        """What :meth:`close` tells the peers first, for a rank that ends without closing (its
+        watchdog ends it): a peer's close does not wait for it then."""
+        with contextlib.suppress(Exception):
+            self.store.set(f"closing/{self.env.rank}", "1")
+
+    def mark_reported(self) -> None:
+        """Rank 0: the session's JUnit file and summary are written; a stuck peer may end now (its
+        end would make torchrun stop rank 0)."""
+        with contextlib.suppress(Exception):
+            self.store.set("reported", "1")
+
+    def wait_reported(self, until: float) -> None:
+        """Until rank 0 has reported the session (:meth:`mark_reported`), its store is gone, or the
+        monotonic time ``until``."""
+        while time.monotonic() < until:
+            try:
+                if self.store.check(["reported"]):
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone: rank 0 has ended
+                return
+            time.sleep(0.2)
 
     def _store_gone(self, what: str, exc: BaseException) -> PeersGone:
         self.peers_gone = True

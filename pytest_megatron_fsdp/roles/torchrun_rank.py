@@ -35,6 +35,7 @@ class TorchrunRankPlugin(_RankRolePlugin):
         reports_itself=True,
         relays_warnings=False,
         when_it_cannot_go_on="the session stops (every later test needs all ranks)",
+        survives_timeouts=True,
     )
 
     @classmethod
@@ -122,6 +123,11 @@ class TorchrunRankPlugin(_RankRolePlugin):
         if hasattr(config, "workerinput") or self.torchrun.rank != 0:
             return  # other ranks must not overwrite rank 0's report
         show_summary(terminalreporter, config, "torchrun")
+        not_run = self.runner.not_run_lines()
+        if not_run:
+            terminalreporter.write_sep("=", not_run[0])
+            for nodeid in not_run[1:]:
+                terminalreporter.write_line(nodeid)
 
     def registered(self) -> None:
         self._restore_sigterm: Callable[[], None] | None = None
