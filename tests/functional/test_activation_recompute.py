@@ -5,9 +5,10 @@ where megatron-core has it, V2.
 Megatron recomputes inside the backward (``CheckpointFunction.backward``), where on CPU ranks the
 recomputed forward allocates on "cuda" (the causal mask): it runs only because the CUDA-on-CPU
 emulation covers the backward too. Each test checks both halves of a recompute: every recomputed
-module ran its forward again inside the backward (else a recompute that is silently off would pass),
-and the losses (and V1's grad norms) are Megatron DDP's *without* recompute (recomputing changes no number;
-a baseline that recomputed too would share a broken recompute).
+module ran its forward again inside the backward (else a recompute that is silently off would
+pass), and the losses (and V1's grad norms) are Megatron DDP's *without* recompute: recomputing
+changes no number, dropout included (the recompute restores the forward's RNG state), and a
+baseline that recomputed too would share a broken recompute.
 """
 
 import pytest
@@ -26,6 +27,9 @@ GPU_RTOL = 1e-4
 #: the grad norm: Megatron-FSDP sums the squares shard by shard, DDP whole tensors (as in
 #: test_strategies.py: below 1e-6 relative on CPU ranks)
 GRAD_NORM_RTOL = 1e-5
+#: dropout on (the tiny preset has none): a recompute must draw the forward's dropout masks again,
+#: i.e. restore the RNG state the forward had
+DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 RECOMPUTE = {
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
     "selective": {"recompute_granularity": "selective"},
@@ -41,6 +45,7 @@ def test_recompute_matches_ddp_without_recompute(
     from pytest_megatron_fsdp.fsdp.recompute import forward_calls, recompute_problem, recomputed_module_names
 
     use_megatron_fsdp_version(run_config, version)
+    run_config.model.overrides.update(DROPOUT)
     baseline = megatron_fsdp_run(ddp_baseline(run_config))
     expected = baseline.train(ITERS)
     baseline.close()  # one model-parallel state at a time; the next run re-initialises it, same seed
