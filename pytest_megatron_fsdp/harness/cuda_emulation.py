@@ -10,7 +10,9 @@ device arguments were all it took). This module gives them those meanings and no
   CPU kernels really draw from (dropout stays reproducible and rank-consistent);
 * ``DeviceMesh`` requests for ``cuda`` become ``cpu`` meshes;
 * a torch function mode rewrites ``device="cuda"`` / ``device=<int>`` arguments of tensor
-  factories and ``Tensor.to``/``Tensor.cuda`` to the CPU;
+  factories and ``Tensor.to``/``Tensor.cuda`` to the CPU, in the forward and in the backward: a
+  backward started with ``loss.backward()``, ``torch.autograd.backward`` or ``torch.autograd.grad``
+  runs its hooks and recomputations under the mode too (see :func:`_backward_under`);
 * V2's ``DBuffer`` learns that a CPU buffer is on the device (its ``is_cuda`` read; see
   :data:`CUDA_DEVICE_CHECKERS`), so it records the stream it was allocated on as V2 asserts later;
 * the one CUDA type check megatron's gradient clipping makes (``clip_grad_by_total_norm_fp32``
@@ -288,6 +290,35 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _backward_under(mode: TorchFunctionMode, original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``_engine_run_backward`` (what ``Tensor.backward``, ``torch.autograd.backward`` and
+    ``torch.autograd.grad`` call the autograd engine through), run with ``mode`` on the stack.
+
+    A torch function mode is off while its own handler runs, and those three are torch functions:
+    the mode's handler forwards them, so without this the engine would start with the mode off and
+    every hook and ``autograd.Function.backward`` of the backward (Megatron-FSDP's gradient hooks,
+    an activation recompute) would run un-emulated (the engine gives its nodes the thread-local state
+    of the caller that started it). Megatron's schedule calls the engine itself and never saw it.
+    Where ``mode`` is already on the stack (the engine called from under it), it is not pushed twice:
+    a mode on the stack twice would dispatch its own forwarded calls back to itself without end.
+    """
+
+    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        if any(entry is mode for entry in _function_mode_stack()):
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    _engine_run_backward.__wrapped__ = original  # type: ignore[attr-defined]  # as functools.wraps sets it
+    return _engine_run_backward
+
+
+def _function_mode_stack() -> list[Any]:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())  # type: ignore[no-untyped-call]  # unannotated in torch
+
+
 def _from_group_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_group(group: Any, device_type: str = "cpu", *args: Any, **kwargs: Any) -> Any:
         if device_type == "cuda":
@@ -416,6 +447,10 @@ class _Emulation:
         # torch's group constructors look the class up in distributed_c10d at call time
         self._patch(_c10d, "ProcessGroupGloo", _in_order_gloo_class())
         self._mode = _CudaToCpuMode()
+        # torch.autograd binds the engine entry by name (from .graph import _engine_run_backward)
+        for module in (torch.autograd, torch.autograd.graph):
+            engine_entry = module._engine_run_backward
+            self._patch(module, "_engine_run_backward", _backward_under(self._mode, engine_entry))
         self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves TorchFunctionMode's unannotated
 
     def restore(self) -> None:

@@ -40,6 +40,8 @@ def _snapshot():
         "init_device_mesh": dm.init_device_mesh,
         **{f"dist.{n}": getattr(torch.distributed, n) for n in PREMUL_SUM_ENTRY_POINTS},
         "c10d.ProcessGroupGloo": torch.distributed.distributed_c10d.ProcessGroupGloo,
+        "autograd._engine_run_backward": torch.autograd._engine_run_backward,
+        "graph._engine_run_backward": torch.autograd.graph._engine_run_backward,
     }
 
 
@@ -212,3 +214,109 @@ def test_only_megatrons_clip_sees_the_cuda_type_name(emulation):
 def test_without_the_emulation_the_clip_sees_a_cpu_tensor():
     assert not cuda_emulation.is_enabled()
     assert _defined_in(CLIP_MODULE, CLIP_FUNCTION)(torch.zeros(2)) == "torch.FloatTensor"
+
+
+# -- backward: hooks and recomputation run under the emulation too
+#
+# A torch function mode is off while its own handler runs, and ``Tensor.backward``,
+# ``torch.autograd.backward`` and ``torch.autograd.grad`` are torch functions: the mode's handler
+# forwards them, and the whole backward (every hook, every ``autograd.Function.backward``, an
+# activation recompute) would run without the emulation. Megatron's schedule calls the autograd
+# engine directly and never saw it; Megatron-FSDP V2's hooks and user code calling
+# ``loss.backward()`` do.
+
+
+def _allocates_on_cuda(seen):
+    """A hook that allocates on "cuda" as Megatron-FSDP's do, recording where the tensor landed."""
+
+    def hook(*args):
+        seen.append(torch.empty(1, device="cuda").device.type)
+
+    return hook
+
+
+class _RecomputingFunction(torch.autograd.Function):
+    """Megatron's activation recompute in miniature: forward keeps no activations; backward runs
+    the forward again (allocating on "cuda", as megatron's causal mask does) and back-propagates
+    through it with ``torch.autograd.backward``: a backward inside the backward."""
+
+    @staticmethod
+    def forward(ctx, x, seen):
+        ctx.save_for_backward(x)
+        ctx.seen = seen
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        detached = x.detach().requires_grad_()
+        with torch.enable_grad():
+            mask = torch.ones(1, device="cuda")
+            ctx.seen.append(mask.device.type)
+            recomputed = detached * 2 * mask
+        torch.autograd.backward(recomputed, grad)
+        return detached.grad, None
+
+
+def _tensor_hook(seen):
+    weight = torch.ones(2, requires_grad=True)
+    product = weight * 2
+    product.register_hook(_allocates_on_cuda(seen))
+    return product.sum(), [weight]
+
+
+def _module_full_backward_hook(seen):
+    layer = torch.nn.Linear(2, 2)
+    layer.register_full_backward_hook(_allocates_on_cuda(seen))
+    inputs = torch.ones(1, 2, requires_grad=True)
+    return layer(inputs).sum(), [inputs]  # the hook runs once the gradient of its inputs is computed
+
+
+def _post_accumulate_grad_hook(seen):
+    weight = torch.ones(2, requires_grad=True)
+    weight.register_post_accumulate_grad_hook(_allocates_on_cuda(seen))
+    return (weight * 2).sum(), [weight]
+
+
+def _recompute_in_backward(seen):
+    weight = torch.ones(2, requires_grad=True)
+    return _RecomputingFunction.apply(weight, seen).sum(), [weight]
+
+
+BACKWARDS = {
+    "loss.backward()": lambda loss, inputs: loss.backward(),
+    "torch.autograd.backward": lambda loss, inputs: torch.autograd.backward(loss),
+    "torch.autograd.grad": lambda loss, inputs: torch.autograd.grad(loss, inputs),
+}
+HOOKED = {
+    "tensor hook": _tensor_hook,
+    "module full_backward_hook": _module_full_backward_hook,
+    "post-accumulate-grad hook": _post_accumulate_grad_hook,
+    "recompute in backward": _recompute_in_backward,
+}
+# torch.autograd.grad accumulates no .grad, so it runs no post-accumulate-grad hook
+BACKWARD_CASES = [
+    pytest.param(backward, hooked, id=f"{backward_name}-{hooked_name}")
+    for backward_name, backward in BACKWARDS.items()
+    for hooked_name, hooked in HOOKED.items()
+    if (backward_name, hooked) != ("torch.autograd.grad", _post_accumulate_grad_hook)
+]
+
+
+@pytest.mark.parametrize(("backward", "hooked"), BACKWARD_CASES)
+def test_backward_runs_its_hooks_under_the_emulation(emulation, backward, hooked):
+    seen: list[str] = []
+    loss, inputs = hooked(seen)
+    backward(loss, inputs)
+    assert seen == ["cpu"]
+
+
+def test_the_engine_called_directly_runs_hooks_under_the_emulation(emulation):
+    # Megatron's schedule (custom_backward) calls the engine itself, never leaving the mode
+    seen: list[str] = []
+    loss, _ = _recompute_in_backward(seen)
+    engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+    engine.run_backward(
+        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+    assert seen == ["cpu"]

@@ -46,6 +46,16 @@ def test_v2_dbuffer_sees_a_cpu_buffer_on_the_emulated_device(emulation):
     assert cpu.is_cuda is False
 
 
+def test_v2_dbuffer_built_in_a_backward_hook_sees_the_emulated_device(emulation):
+    # V2 builds buffers in its gradient hooks; a backward started by loss.backward() runs them, and
+    # the stream a buffer records (and later asserts) follows this answer
+    weight = torch.ones(2, requires_grad=True)
+    seen = []
+    weight.register_post_accumulate_grad_hook(lambda p: seen.append(_is_cuda_in(DBUFFER, "__init__")(p.grad)))
+    (weight * 2).sum().backward()
+    assert seen == [True]
+
+
 def test_without_the_emulation_v2_dbuffer_sees_a_cpu_buffer():
     assert not cuda_emulation.is_enabled()
     assert _is_cuda_in(DBUFFER, "__init__")(torch.zeros(2)) is False
