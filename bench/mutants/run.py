@@ -12,7 +12,8 @@ applicable mutants only; a mutant whose code exists but whose edit (and per-stac
 match exactly once refuses the whole catalogue (it no longer fits: fix the catalogue).
 
 A control run on the unedited copy comes first and must pass. Each run is plain pytest with ``-x``
-(the first failing test kills the mutant), the plugin's per-test timeout (``--mfsdp-timeout``: a hang becomes a bounded failure) and a wall limit per mutant.
+(the first failing test kills the mutant), the plugin's per-test timeout (``--mfsdp-timeout``: a hang
+becomes a bounded failure) and a wall limit per mutant.
 
 A mutant may name a probe: the test expected to fail first, run alone before the suite (most of a
 run's time is the tests before the killing one). A probe only orders the work: when it passes, the whole
@@ -464,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {m.name}: not applicable ({why})", flush=True)
         mutants = [m for m in mutants if resolutions[m.name].not_applicable is None]
         if not mutants:
+            write_report(args, tests, control, outcomes, started, complete=True)
             print("mutants: no mutant of the selection applies to the installed packages", file=sys.stderr)
             return 2
         print(f"mutants: {len(mutants)} mutants of {root} ({stack()}); tests: {' '.join(tests)}", flush=True)
