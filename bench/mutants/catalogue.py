@@ -727,10 +727,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "            output = self.module.forward(*inputs, **kwargs)\n",
         """Revert of PR #5808: MegatronFSDP.forward calls the wrapped module's forward() directly, so
         the hooks registered on the root module (its pre-forward unshard and post-forward reshard,
-        when the root is an FSDP unit, as with fully_shard(model)) never run. Both entry points.
-        Symptom: the root's own parameters are used sharded (shape errors) or stale.""",
+        when the root is an FSDP unit: fsdp_unit_modules naming the model's own type) never run. Both
+        entry points; equivalent where the root is no unit (GPT with TransformerLayer units, the
+        two-block MLP with Block units). Symptom: the root unit's parameters are used sharded
+        (shape errors) or stale.""",
         replays="Megatron-LM PR #5808 (4bf7fca050): fix MegatronFSDP root module hook dispatch",
-        probe="test_fully_shard.py::test_fully_shard_strategy_matches_torch_ddp",
+        probe="test_fully_shard.py::test_fully_shard_whole_model_as_one_unit_matches_torch_ddp",
     ),
     Mutant(
         "grad_prescale_targets_whole_buffer",
