@@ -735,24 +735,6 @@ MUTANTS: tuple[Mutant, ...] = (
         probe="test_fully_shard.py::test_fully_shard_whole_model_as_one_unit_matches_torch_ddp",
     ),
     Mutant(
-        "grad_prescale_targets_whole_buffer",
-        "gradient scaling/averaging",
-        both("param_and_grad_buffer.py"),
-        "                    reduce_op = gradient_reduce_preprocessing(\n"
-        "                        unreduced_grad, scaling_factor, ddp_config\n"
-        "                    )\n",
-        "                    reduce_op = gradient_reduce_preprocessing(\n"
-        "                        gbuf.data, scaling_factor, ddp_config\n"
-        "                    )\n",
-        """Revert of PR #3023 (adapted: the pipeline now names the bucket unreduced_grad): the unfused
-        1/dp pre-scaling is applied to the gradient buffer instead of the communication bucket being
-        reduced. Both entry points, where the scaling is not fused into the collective (a
-        grad_comm_dtype other than fp32, e.g. fully_shard's bf16 policy). Symptom: the reduced
-        gradient is summed, not averaged (x dp), and the resting buffer is scaled instead.""",
-        replays="Megatron-LM PR #3023 (ba456fdad9): fix incorrect gradient scaling target",
-        probe="test_fully_shard.py::test_fully_shard_bf16_mixed_precision_trains",
-    ),
-    Mutant(
         "model_auto_sync_overwritten_with_none",
         "gradient accumulation",
         both("megatron_fsdp.py"),
