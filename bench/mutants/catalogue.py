@@ -763,9 +763,10 @@ MUTANTS: tuple[Mutant, ...] = (
         back in is registered on the wrapped module only, not on every submodule, so a state dict
         taken from a submodule (or through a path that skips the root's hook) sees the raw
         parameters. Both entry points' checkpoint save. Symptom: a save that fails, or a checkpoint
-        holding raw bucket views instead of DTensor shards.""",
+        holding raw bucket views instead of DTensor shards. Measured on main: the fp32 round trips pass;
+        the bf16 save (Float16Module between the wrapper and GPTModel) fails preparing the save.""",
         replays="Megatron-LM PR #2138 (d82a6d8256): fix Megatron-FSDP checkpoint save failure",
-        probe="test_checkpoint.py::test_round_trip_restores_every_tensor_exactly",
+        probe="test_checkpoint.py::test_megatron_lm_key_layout_for_the_bridge_reference_preset",
     ),
     Mutant(
         "unsharded_reduce_without_overlap_in_hook",
