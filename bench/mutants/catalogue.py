@@ -1,18 +1,25 @@
 """The mutants: single semantic edits of Megatron-FSDP, each the kind of regression a review could miss.
 
-Every mutant is one exact (file, old text, new text) edit. ``old`` must occur exactly once in each file
-it names (the runner refuses the whole catalogue otherwise, so a catalogue that no longer fits a new
-release says so before anything runs). Paths are relative to the directory that holds the installed
-``megatron`` and ``megatron_fsdp`` packages:
+Every mutant is one exact (file, old text, new text) edit. Stack-aware: a mutant whose code does not
+exist in the installed stack (a file it names is absent, or its ``needs`` text is not found: V2 on
+megatron-core 0.19.2, an upstream fix a release predates) is **not applicable** there, with the reason;
+where the code exists, ``old`` (or the first of its per-stack ``variants`` that fits: the text moved
+between releases) must occur exactly once in each file it names, else the runner refuses the whole
+catalogue, so a catalogue that no longer fits a new release says so before anything runs. Paths are
+relative to the directory that holds the installed ``megatron`` and ``megatron_fsdp`` packages:
 
 - ``MCORE + "..."``: megatron-core (the adapter, the distributed optimizer, clipping, fsdp_dtensor);
 - ``VENDORED`` / ``STANDALONE``: the two copies of Megatron-FSDP's source. megatron-core's
   ``FullyShardedDataParallel`` runs the vendored copy, ``megatron_fsdp.fully_shard`` the standalone one;
   they are the same source tree (identical files in megatron-core 0.19.2 / megatron-fsdp 0.6.1), so a
-  regression in Megatron-FSDP's source lands in both: ``both(name)`` edits both copies.
+  regression in Megatron-FSDP's source lands in both: ``both(name)`` edits both copies. Where the
+  standalone package is the vendored directory itself (an editable install of a Megatron-LM checkout),
+  the runner's copy keeps it so, and a file both names is edited once.
 
-Written for megatron-core 0.19.2 and megatron-fsdp 0.6.1. Each docstring says what changes, which entry
-point and strategies run the edited code, and the symptom expected. ``replays`` names the upstream fix
+Written for megatron-core 0.19.2 / megatron-fsdp 0.6.1 and Megatron-LM main of 2026-08-22
+(d98e8a64dd, with Megatron-FSDP V2: ``megatron_fsdp/experimental``, ``FullyShardedDataParallelV2``).
+Each docstring says what changes, which entry point and strategies run the edited code, and the
+symptom expected. ``replays`` names the upstream fix
 a mutant reverts (the known-bug registry, ``pytest_megatron_fsdp/fsdp/versions.py``).
 """
 
@@ -31,6 +38,24 @@ def both(name: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Needs:
+    """The code a mutant edits exists only where ``file`` contains ``text``; elsewhere the mutant is not
+    applicable, for the reason ``why``."""
+
+    file: str
+    text: str
+    why: str
+
+
+#: Megatron-FSDP V2 (Megatron-LM PR #5865, after megatron-core 0.19): its wrapper in the adapter
+V2 = Needs(
+    MCORE + "distributed/fsdp/mcore_fsdp_adapter.py",
+    "class FullyShardedDataParallelV2(",
+    "megatron-core has no Megatron-FSDP V2 (FullyShardedDataParallelV2, Megatron-LM PR #5865)",
+)
+
+
+@dataclass(frozen=True)
 class Mutant:
     name: str
     category: str
@@ -46,6 +71,10 @@ class Mutant:
     #: alone before the suite. It only orders the work: when the probe passes, the whole suite runs and
     #: judges the mutant, so a stale probe costs time, never a wrong verdict.
     probe: str | None = None
+    #: where the code exists (None: wherever every file it names exists)
+    needs: Needs | None = None
+    #: (old, new) per stack where the text moved: tried in order after (old, new)
+    variants: tuple[tuple[str, str], ...] = ()
 
 
 CATEGORIES = (
@@ -132,7 +161,24 @@ MUTANTS: tuple[Mutant, ...] = (
         """The post-backward hook reduces unsharded gradients (no_shard, optim) after every
         micro-batch, not only the last: the accumulated buffer is reduced (and scaled) again each
         time. Both entry points with several micro-batches per step. Symptom: early micro-batches'
-        gradients scaled by 1/dp more than once (mixed with other ranks' values) before the step.""",
+        gradients scaled by 1/dp more than once (mixed with other ranks' values) before the step.
+        On Megatron-LM main the condition was rewritten (PR #6357: overlap_grad_reduce and the last
+        micro-batch): the per-stack variant makes the same edit there.""",
+        variants=(
+            (
+                "            if grad_reduce_every_bprop or (\n"
+                '                # "no_shard" and "optim" can have overlapped or non-overlapped\n'
+                "                # gradient reduction. Non-overlapped gradient reduction happens\n"
+                "                # in start_grad_sync() or synchronize_gradient_reduce().\n"
+                "                # Must only happen once on the final microbatch prior to optimization,\n"
+                "                # or else unsharded gradient buffers will be redundantly reduced.\n"
+                "                self.ddp_config.overlap_grad_reduce\n"
+                "                and (is_last_microbatch or self.model_auto_sync)\n"
+                "            ):\n"
+                "                # Launch asynchronous",
+                "            if True:\n                # Launch asynchronous",
+            ),
+        ),
         probe="test_strategies.py::test_gradient_accumulation_four_microbatches[optim]",
     ),
     Mutant(
@@ -545,5 +591,270 @@ MUTANTS: tuple[Mutant, ...] = (
         Symptom: TypeError after the first backward.""",
         replays="fsdp2_finish_grad_sync: Megatron-LM PR #4953 (fixed in megatron-core 0.19)",
         probe="test_strategies.py::test_torch_fsdp2_trains",
+    ),
+    # --- Megatron-FSDP V2 (megatron_fsdp/experimental, FullyShardedDataParallelV2; Megatron-LM main) ---
+    # megatron-core builds V2 with ddp.megatron_fsdp_version=2 (tests/functional/test_megatron_fsdp_v2.py):
+    # every module is a fully_shard unit whose parameters live in DBuffers (main weight, main grad,
+    # compute weight); on a stack without V2 these mutants are not applicable.
+    Mutant(
+        "v2_grad_summed_not_averaged",
+        "gradient scaling/averaging",
+        both("experimental/parameter_group.py"),
+        '                placements=[Partial("avg")] * self.mesh.ndim,\n',
+        '                placements=[Partial("sum")] * self.mesh.ndim,\n',
+        """V2's reduce-scatter input buffer is Partial("sum") instead of Partial("avg"): each backward's
+        gradient is summed over the data-parallel ranks, not averaged. megatron-core V2
+        (FsdpParameterGroup.allocate_partial_grad_buffer, every module's post-backward). Symptom:
+        gradients and the grad norm dp times DDP's; Adam hides most of it from the losses, not all.""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_strategy_matches_ddp_baseline[optim_grads_params]",
+    ),
+    Mutant(
+        "v2_accum_overwrites",
+        "gradient accumulation",
+        both("experimental/parameter_group.py"),
+        "                self.main_grad.local_buffer.add_(reduced_grad.local_buffer)\n",
+        "                self.main_grad.local_buffer.copy_(reduced_grad.local_buffer)\n",
+        """V2's reduce_partial_gradients overwrites the sharded gradient the earlier micro-batches of
+        the step left (sharded .grad still set) instead of adding onto it. megatron-core V2 with
+        several micro-batches per step. Symptom: only the last micro-batch's gradient counts; with
+        one micro-batch nothing changes.""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_gradient_accumulation_four_microbatches",
+    ),
+    Mutant(
+        "v2_accum_reduces_into_main_grad",
+        "gradient accumulation",
+        both("experimental/parameter_group.py"),
+        "        has_sharded_grads = self._has_sharded_grads()\n",
+        "        has_sharded_grads = False\n",
+        """V2 no longer notices that the sharded gradients of earlier micro-batches are installed: every
+        backward reduce-scatters straight into main_grad (out=), as on the first micro-batch of a
+        step. megatron-core V2, several micro-batches per step. Symptom: each micro-batch's reduced
+        gradient replaces the running sum (only the last counts).""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_gradient_accumulation_four_microbatches",
+    ),
+    Mutant(
+        "v2_shard_offset_mirrored",
+        "shard offsets and sizes",
+        both("experimental/layout.py"),
+        "            offset += mesh.get_local_rank(axis) * shard_size\n",
+        "            offset += (axis_size - 1 - mesh.get_local_rank(axis)) * shard_size\n",
+        """GlobalLayout.get_local_range gives rank r the mirrored shard (dp-1-r) of every DBuffer, while
+        the all-gather and reduce-scatter still place rank r's data at r. megatron-core V2, every
+        buffer. Symptom: the gathered compute weights are permuted shard-wise (the forward runs on
+        a scrambled model), the reduced gradient lands on another rank's weights.""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_strategy_matches_ddp_baseline[optim_grads_params]",
+    ),
+    Mutant(
+        "v2_owned_range_from_tensor_start",
+        "shard offsets and sizes",
+        both("experimental/dbuffer.py"),
+        "            tensor_relative_offset=overlap_start - tensor_start,\n",
+        "            tensor_relative_offset=0,\n",
+        """DBuffer._get_owned_range says every rank's part of a tensor starts at the tensor's first
+        element: distribute_tensors copies the first rows of each parameter into every rank's shard
+        of it. megatron-core V2, at wrap time (the initial main weights). Symptom: a rank whose shard
+        starts inside a parameter trains a copy of that parameter's head; losses leave DDP's from
+        iteration 1.""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_strategy_matches_ddp_baseline[optim_grads_params]",
+    ),
+    Mutant(
+        "v2_not_resharded_after_backward",
+        "parameter all-gather and prefetch",
+        both("experimental/module.py"),
+        "        self._reshard_parameter_groups()\n        self._reduce_gradient_groups()\n",
+        "        self._reduce_gradient_groups()\n",
+        """V2's post_backward no longer reshards: the module keeps its unsharded parameters and its
+        'already gathered' event, so the next forward skips the all-gather. megatron-core V2, every
+        module with trainable parameters. Symptom: from iteration 2 the forward runs on the weights
+        gathered before the optimizer step (stale); losses leave DDP's; the full weights stay in
+        memory (on GPUs: the memory V2 exists to save).""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_strategy_matches_ddp_baseline[optim_grads_params]",
+    ),
+    Mutant(
+        "v2_dtensor_global_shape_is_local",
+        "checkpoint contents",
+        both("experimental/dbuffer.py"),
+        "            shape=tensor_shape,\n",
+        "            shape=local_tensor.shape,\n",
+        """DBuffer.get_dtensor builds each sharded parameter (and its gradient) as a DTensor whose
+        global shape is the rank's local shard shape. megatron-core V2: the DTensors the optimizer
+        steps, DCP's state dict, the uneven-DTensor chunk metadata. Symptom: a state dict that
+        describes no whole tensor: a DCP save/load fails or loads wrong values.""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_dcp_round_trip_is_exact[fp32]",
+    ),
+    Mutant(
+        "v2_main_weights_in_compute_dtype",
+        "mixed precision",
+        both("experimental/parameter_group.py"),
+        "        main_weight_dtype = mixed_precision_policy.main_params_dtype or torch.float32\n",
+        "        main_weight_dtype = first_parameter.dtype\n",
+        """V2's main weights (what the optimizer steps) are allocated in the parameters' dtype (bf16 for
+        a bf16 model) instead of main_params_dtype (fp32, megatron-core's default). megatron-core V2
+        with bf16. Symptom: the optimizer steps bf16 weights, small updates round away; a bf16 run
+        and its fp32 main weights no longer exist separately.""",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_dcp_round_trip_is_exact[bf16]",
+    ),
+    # --- replays of upstream fixes (Megatron-LM history of megatron/core/distributed/fsdp) ---------
+    Mutant(
+        "v2_compute_weights_not_refreshed_after_step",
+        "optimizer step and copy-back",
+        (MCORE + "optimizer/fully_sharded_optimizer.py",),
+        '        """Refresh MFSDP V2 compute weights after updating optimizer weights."""\n'
+        "        sync_model_weights_from_main_weights(self.get_parameters())\n",
+        '        """No-op: MFSDP v2 currently syncs compute weights in its forward pre-hook."""\n',
+        """Revert of PR #6336: FullyShardedOptimizer._copy_main_params_to_model_params is a no-op again,
+        so the compute weights are not refreshed from the stepped main weights (the forward
+        pre-hook it relied on no longer syncs). megatron-core V2 whenever compute and main weights
+        are separate buffers (bf16 model, fp32 main weights; with fp32 they are one buffer).
+        Symptom: the bf16 model computes on its initial weights for ever.""",
+        replays="Megatron-LM PR #6336 (1d402ad6e2): refresh V2 compute weights after optimizer step",
+        needs=V2,
+        probe="test_megatron_fsdp_v2.py::test_v2_dcp_round_trip_is_exact[bf16]",
+    ),
+    Mutant(
+        "root_forward_bypasses_hooks",
+        "adapter and wrappers",
+        both("megatron_fsdp.py"),
+        "            output = self.module(*inputs, **kwargs)\n",
+        "            output = self.module.forward(*inputs, **kwargs)\n",
+        """Revert of PR #5808: MegatronFSDP.forward calls the wrapped module's forward() directly, so
+        the hooks registered on the root module (its pre-forward unshard and post-forward reshard,
+        when the root is an FSDP unit: fsdp_unit_modules naming the model's own type) never run. Both
+        entry points; equivalent where the root is no unit (GPT with TransformerLayer units, the
+        two-block MLP with Block units). Symptom: the root unit's parameters are used sharded
+        (shape errors) or stale.""",
+        replays="Megatron-LM PR #5808 (4bf7fca050): fix MegatronFSDP root module hook dispatch",
+        probe="test_fully_shard.py::test_fully_shard_whole_model_as_one_unit_matches_torch_ddp",
+    ),
+    Mutant(
+        "model_auto_sync_overwritten_with_none",
+        "gradient accumulation",
+        both("megatron_fsdp.py"),
+        "        self.set_model_auto_sync(sync_model_each_microbatch)\n",
+        "        self.model_auto_sync = self.set_model_auto_sync(sync_model_each_microbatch)\n",
+        """Revert of Megatron-LM MR !4062: the wrapper assigns set_model_auto_sync's return value (None)
+        to model_auto_sync, so sync_model_each_microbatch=True (fully_shard's default) is lost:
+        no_shard/optim gradients are never reduced in the post-backward hook and sharded weights are
+        not gathered for the next step. fully_shard entry point. Symptom: unsharded strategies step
+        on unreduced gradients (ranks diverge from DDP).""",
+        replays="Megatron-LM commit 03045f2d88 (ADLR MR !4062): fix mis-set of model_auto_sync",
+        probe="test_fully_shard.py::test_fully_shard_strategy_matches_torch_ddp",
+    ),
+    Mutant(
+        "state_dict_hook_on_root_only",
+        "checkpoint contents",
+        both("megatron_fsdp.py"),
+        "        for name, module in self.named_modules():\n"
+        "            module.register_state_dict_pre_hook(\n"
+        "                lambda *args, **kwargs: self._replace_param_with_distributed_if_needed()\n"
+        "            )\n",
+        "        self._state_dict_pre_hook = self.module.register_state_dict_pre_hook(\n"
+        "            lambda *args, **kwargs: self._replace_param_with_distributed_if_needed()\n"
+        "        )\n",
+        """Revert of PR #2138: the pre-state_dict hook that swaps the distributed (DTensor) parameters
+        back in is registered on the wrapped module only, not on every submodule, so a state dict
+        taken from a submodule (or through a path that skips the root's hook) sees the raw
+        parameters. Both entry points' checkpoint save. Symptom: a save that fails, or a checkpoint
+        holding raw bucket views instead of DTensor shards. Measured on main: the fp32 round trips pass;
+        the bf16 save (Float16Module between the wrapper and GPTModel) fails preparing the save.""",
+        replays="Megatron-LM PR #2138 (d82a6d8256): fix Megatron-FSDP checkpoint save failure",
+        probe="test_checkpoint.py::test_megatron_lm_key_layout_for_the_bridge_reference_preset",
+    ),
+    Mutant(
+        "unsharded_reduce_without_overlap_in_hook",
+        "gradient accumulation",
+        both("megatron_fsdp.py"),
+        "            if grad_reduce_every_bprop or (\n"
+        '                # "no_shard" and "optim" can have overlapped or non-overlapped\n'
+        "                # gradient reduction. Non-overlapped gradient reduction happens\n"
+        "                # in start_grad_sync() or synchronize_gradient_reduce().\n"
+        "                # Must only happen once on the final microbatch prior to optimization,\n"
+        "                # or else unsharded gradient buffers will be redundantly reduced.\n"
+        "                self.ddp_config.overlap_grad_reduce\n"
+        "                and (is_last_microbatch or self.model_auto_sync)\n"
+        "            ):\n"
+        "                # Launch asynchronous",
+        "            if grad_reduce_every_bprop or is_last_microbatch or self.model_auto_sync:\n"
+        "                # Launch asynchronous",
+        """Revert of PR #6357's reduction condition (its first hunk, the per-parameter post-backward
+        hook): no_shard/optim reduce their unsharded gradients in the hook on the last micro-batch
+        even without overlap_grad_reduce, and finish_grad_sync reduces them again. megatron-core,
+        no_shard/optim with overlap_grad_reduce=False. Symptom: gradients reduced (and scaled) twice:
+        the known bug optim_sync_double_reduce of megatron-core 0.19 coming back.""",
+        replays="Megatron-LM PR #6357 (342faa43cd): fix gradient sharding / reduction schedule with ZeRO-1/2",
+        needs=Needs(
+            VENDORED + "megatron_fsdp.py",
+            "                self.ddp_config.overlap_grad_reduce\n"
+            "                and (is_last_microbatch or self.model_auto_sync)\n",
+            "the fix (Megatron-LM PR #6357) is not in this stack: its megatron-core reduces in the hook "
+            "without overlap_grad_reduce (the known bug optim_sync_double_reduce)",
+        ),
+        probe="test_strategies.py::test_strategy_matches_ddp_baseline[optim-False]",
+    ),
+    Mutant(
+        "fully_shard_optimizer_init_step_not_inert",
+        "optimizer step and copy-back",
+        both("fully_shard.py"),
+        "    optimizer_group_settings = []\n"
+        "    for group in optimizer.param_groups:\n"
+        "        optimizer_group_settings.append(\n"
+        '            (group, {key: group[key] for key in ("lr", "weight_decay") if key in group})\n'
+        "        )\n"
+        '        if "lr" in group:\n'
+        "            # Capturable optimizers may require lr to remain a device tensor.\n"
+        '            group["lr"] = (\n'
+        '                torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0\n'
+        "            )\n"
+        '        if "weight_decay" in group:\n'
+        '            group["weight_decay"] = 0.0\n'
+        "    # Allocate the state, then restore the caller's optimizer settings.\n"
+        "    optimizer.step()\n"
+        "    for group, settings in optimizer_group_settings:\n"
+        "        group.update(settings)\n",
+        "    optimizer.step()\n",
+        """Revert of PR #5976 (its lr/weight-decay part): fully_shard_optimizer's synthetic step, which
+        only materializes the optimizer state for DCP, runs with the caller's lr and weight decay:
+        weight decay (coupled or decoupled) already moves the weights before the first real step.
+        fully_shard entry point. Symptom: after one step the weights differ from torch DDP's
+        (the 'optimizer under-update' of the PR's title).""",
+        replays="Megatron-LM PR #5976 (ce8a8a736f): fix Megatron FSDP optimizer under-update",
+        needs=Needs(
+            STANDALONE + "fully_shard.py",
+            "    # A zero gradient alone does not make optimizer.step() inert.",
+            "the fix (Megatron-LM PR #5976) is not in this stack",
+        ),
+        probe="test_fully_shard.py::test_fully_shard_adam_matches_torch_ddp",
+    ),
+    Mutant(
+        "fully_shard_optimizer_step_count_not_reset",
+        "optimizer step and copy-back",
+        both("fully_shard.py"),
+        "    for state in optimizer.state.values():\n"
+        '        if "step" not in state:\n'
+        "            continue\n"
+        '        if isinstance(state["step"], torch.Tensor):\n'
+        '            state["step"].zero_()\n'
+        "        else:\n"
+        '            state["step"] = 0\n',
+        "",
+        """Revert of PR #5976 (its step-counter part): after fully_shard_optimizer's synthetic step the
+        per-parameter step counters (Adam's state['step']) are left at 1, so the first real update
+        uses step 2's bias correction. fully_shard entry point with Adam. Symptom: the first updates
+        are too small (under-update); losses leave torch DDP's from iteration 2.""",
+        replays="Megatron-LM PR #5976 (ce8a8a736f): fix Megatron FSDP optimizer under-update",
+        needs=Needs(
+            STANDALONE + "fully_shard.py",
+            "    # A zero gradient alone does not make optimizer.step() inert.",
+            "the fix (Megatron-LM PR #5976) is not in this stack",
+        ),
+        probe="test_fully_shard.py::test_fully_shard_adam_matches_torch_ddp",
     ),
 )

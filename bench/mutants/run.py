@@ -3,9 +3,17 @@
 The installed packages are never edited: ``megatron/core`` and ``megatron_fsdp`` are copied into a
 scratch directory placed first on ``PYTHONPATH`` (the ranks the plugin launches inherit it), each
 mutant edits that copy and is undone after its run, and the installed ``.py`` files are hashed before
-and after (a difference fails the run). A control run on the unedited copy comes first and must pass.
-Each run is plain pytest with ``-x`` (the first failing test kills the mutant), the plugin's per-test
-timeout (``--mfsdp-timeout``: a hang becomes a bounded failure) and a wall limit per mutant.
+and after (a difference fails the run). Where the standalone ``megatron_fsdp`` is the vendored directory
+of an editable Megatron-LM checkout, the copy's ``megatron_fsdp`` is a link to its own vendored copy.
+
+Stack-aware: a mutant whose code does not exist in the installed stack (a file it names is absent, or
+its ``needs`` text is not found) is reported as not applicable, with the reason, and the kill rate counts
+applicable mutants only; a mutant whose code exists but whose edit (and per-stack variants) does not
+match exactly once refuses the whole catalogue (it no longer fits: fix the catalogue).
+
+A control run on the unedited copy comes first and must pass. Each run is plain pytest with ``-x``
+(the first failing test kills the mutant), the plugin's per-test timeout (``--mfsdp-timeout``: a hang
+becomes a bounded failure) and a wall limit per mutant.
 
 A mutant may name a probe: the test expected to fail first, run alone before the suite (most of a
 run's time is the tests before the killing one). A probe only orders the work: when it passes, the whole
@@ -16,7 +24,7 @@ suite runs and judges the mutant (``--no-probes``: always the whole suite).
     python -m bench.mutants --list               # the catalogue, per category
 
 Exit status: 0 when the kill rate reaches ``--min-kill-rate`` (default 0.95), 1 below it, 2 when the
-control run fails or the catalogue does not apply, 3 when an installed file changed.
+control run fails, the catalogue does not fit or no mutant applies, 3 when an installed file changed.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .catalogue import MUTANTS, Mutant
+from .catalogue import MUTANTS, STANDALONE, VENDORED, Mutant
 
 REPO = Path(__file__).resolve().parents[2]
 FUNCTIONAL = REPO / "tests" / "functional"
@@ -59,7 +67,7 @@ PACKAGES = ("megatron/core", "megatron_fsdp")
 class Outcome:
     name: str
     category: str
-    status: str  # killed | survived | timeout | error
+    status: str  # killed | survived | timeout | error | not applicable
     killed_by: str | None
     message: str | None
     seconds: float
@@ -83,30 +91,80 @@ def site_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).parents[1]
 
 
+def standalone_dir(root: Path) -> Path | None:
+    """The installed standalone ``megatron_fsdp`` package directory (None: not installed). Next to
+    ``megatron`` for a wheel; the vendored directory itself for an editable Megatron-LM checkout."""
+    spec = importlib.util.find_spec("megatron_fsdp")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
+
+
+def installed_dirs(root: Path) -> list[Path]:
+    dirs = [root / package for package in PACKAGES if (root / package).is_dir()]
+    standalone = standalone_dir(root)
+    if standalone is not None and not any(standalone.is_relative_to(d.resolve()) for d in dirs):
+        dirs.append(standalone)
+    return dirs
+
+
 def hash_installed(root: Path) -> dict[str, str]:
     digests = {}
-    for package in PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    for directory in installed_dirs(root):
+        for path in sorted(directory.rglob("*.py")):
+            digests[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digests
 
 
+@dataclass(frozen=True)
+class Resolution:
+    """What a mutant does on one stack: ``edit`` (old, new) and the files it changes (each once,
+    resolved); or ``not_applicable`` (why); or ``problem`` (the code exists, the edit does not fit)."""
+
+    edit: tuple[str, str] | None = None
+    paths: tuple[Path, ...] = ()
+    not_applicable: str | None = None
+    problem: str | None = None
+
+
+def resolve(shadow: Path, m: Mutant) -> Resolution:
+    """Whether ``m`` applies to the stack copied in ``shadow``, and with which of its edits."""
+    if m.needs is not None:  # first: its reason says more than a missing file's
+        needed = shadow / m.needs.file
+        if not needed.is_file() or m.needs.text not in needed.read_text():
+            return Resolution(not_applicable=m.needs.why)
+    absent = [rel for rel in m.files if not (shadow / rel).is_file()]
+    if absent:
+        return Resolution(not_applicable=f"not in this stack: {', '.join(absent)}")
+    # a file named twice (both copies, where the standalone package is the vendored directory) is
+    # edited once
+    paths = tuple(dict.fromkeys((shadow / rel).resolve() for rel in m.files))
+    texts = [path.read_text() for path in paths]
+    edits = [(m.old, m.new), *m.variants]
+    for old, new in edits:
+        if old != new and all(text.count(old) == 1 for text in texts):
+            return Resolution(edit=(old, new), paths=paths)
+    counts = "; ".join(
+        f"{'old text' if i == 0 else f'variant {i}'} occurs "
+        + ", ".join(f"{text.count(old)} times in {rel}" for text, rel in zip(texts, m.files, strict=False))
+        for i, (old, _) in enumerate(edits)
+    )
+    return Resolution(problem=f"{m.name}: no edit matches exactly once in every file ({counts})")
+
+
 def check_catalogue(shadow: Path, mutants: list[Mutant]) -> list[str]:
-    """Every edit must match exactly once in every file it names."""
+    """Every applicable mutant's edit (or one of its variants) must match exactly once in every file
+    it names; not-applicable mutants are not problems."""
     problems = []
     names = Counter(m.name for m in mutants)
     problems += [f"{name}: the name is used {n} times" for name, n in names.items() if n > 1]
     for m in mutants:
-        if m.old == m.new:
+        if m.old == m.new or any(old == new for old, new in m.variants):
             problems.append(f"{m.name}: the edit changes nothing")
-        for rel in m.files:
-            path = shadow / rel
-            if not path.is_file():
-                problems.append(f"{m.name}: {rel} is not installed")
-                continue
-            count = path.read_text().count(m.old)
-            if count != 1:
-                problems.append(f"{m.name}: its old text occurs {count} times in {rel} (must be once)")
+            continue
+        resolution = resolve(shadow, m)
+        if resolution.problem:
+            problems.append(resolution.problem)
     return problems
 
 
@@ -116,6 +174,14 @@ def make_shadow(root: Path, scratch: Path) -> Path:
         if (root / package).is_dir():
             # copy2 keeps the mtimes, so the copied __pycache__ stays valid (no recompiling)
             shutil.copytree(root / package, shadow / package, copy_function=shutil.copy2)
+    standalone = standalone_dir(root)
+    if standalone is not None and not (shadow / STANDALONE).exists():
+        vendored = (root / VENDORED).resolve()
+        if standalone == vendored and (shadow / VENDORED).is_dir():
+            # an editable Megatron-LM checkout: megatron_fsdp *is* the vendored directory; so in the copy
+            (shadow / STANDALONE.rstrip("/")).symlink_to(Path(VENDORED), target_is_directory=True)
+        else:
+            shutil.copytree(standalone, shadow / STANDALONE, copy_function=shutil.copy2)
     return shadow
 
 
@@ -128,12 +194,14 @@ class Applied:
     def __enter__(self) -> Applied:
         if self.mutant is None:
             return self
-        for rel in self.mutant.files:
-            path = self.shadow / rel
+        resolution = resolve(self.shadow, self.mutant)
+        assert resolution.edit is not None, (self.mutant.name, resolution)
+        old, new = resolution.edit
+        for path in resolution.paths:
             stat, text = path.stat(), path.read_text()
-            assert text.count(self.mutant.old) == 1, (self.mutant.name, rel)
+            assert text.count(old) == 1, (self.mutant.name, path)
             self.saved.append((path, text, stat))
-            path.write_text(text.replace(self.mutant.old, self.mutant.new))
+            path.write_text(text.replace(old, new))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -152,16 +220,23 @@ def environment(shadow: Path, tmp: Path) -> dict[str, str]:
 
 
 def check_shadowing(python: str, shadow: Path, scratch: Path) -> None:
+    """The ranks import megatron-core and megatron_fsdp from the copy, and this checkout's plugin (not
+    another checkout an editable install points at)."""
     code = (
         "import importlib.util as u; "
+        "print(u.find_spec('pytest_megatron_fsdp').origin); "
         "print(u.find_spec('megatron.core').origin); "
         "s = u.find_spec('megatron_fsdp'); print(s.origin if s else '')"
     )
     out = subprocess.run(
         [python, "-c", code], env=environment(shadow, scratch), capture_output=True, text=True, check=True
     ).stdout.split("\n")
-    for origin in filter(None, out):
-        if not Path(origin).resolve().is_relative_to(shadow.resolve()):
+    plugin, *origins = out
+    if not Path(plugin).resolve().is_relative_to(REPO):
+        raise SystemExit(f"mutants: the plugin is imported from {plugin}, not from this checkout {REPO}")
+    for origin in filter(None, origins):
+        # not resolved: the standalone package may be a link, inside the copy, to the vendored copy
+        if not Path(os.path.abspath(origin)).is_relative_to(shadow):
             raise SystemExit(f"mutants: the copy does not shadow the installed package: {origin}")
 
 
@@ -242,6 +317,7 @@ def run_suite(
 
 
 Verdict = tuple[str, str | None, str | None, float]
+NOT_APPLICABLE = "not applicable"
 
 
 def judge(
@@ -287,7 +363,8 @@ def write_report(
 ) -> Path:
     """The kill matrix as JSON; rewritten after every mutant (``complete`` false until the end), so an
     interrupted run leaves what it measured."""
-    killed = [o for o in outcomes if o.status != "survived"]
+    applicable = [o for o in outcomes if o.status != NOT_APPLICABLE]
+    killed = [o for o in applicable if o.status != "survived"]
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "stack": stack(),
@@ -296,8 +373,10 @@ def write_report(
         "test_timeout_s": args.test_timeout,
         "mutant_wall_s": args.mutant_wall,
         "control": control,
-        "kill_rate": len(killed) / len(outcomes) if outcomes else 0.0,
+        "kill_rate": len(killed) / len(applicable) if applicable else 0.0,
         "killed": len(killed),
+        "applicable": len(applicable),
+        "not_applicable": len(outcomes) - len(applicable),
         "total": len(outcomes),
         "seconds": round(time.monotonic() - started, 1),
         "installed_files_unchanged": None if changed is None else not changed,
@@ -311,10 +390,19 @@ def write_report(
 
 def print_matrix(outcomes: list[Outcome]) -> None:
     width = max(len(o.name) for o in outcomes)
-    print(f"\n{'mutant':<{width}}  {'result':<8}  {'s':>6}  killed by")
+    print(f"\n{'mutant':<{width}}  {'result':<14}  {'s':>6}  killed by")
     for o in outcomes:
         killer = o.killed_by or ("-" if not o.cpu_undetectable else "(documented CPU-undetectable)")
-        print(f"{o.name:<{width}}  {o.status:<8}  {o.seconds:6.1f}  {killer}")
+        if o.status == NOT_APPLICABLE:
+            killer = f"({o.message})"
+        print(f"{o.name:<{width}}  {o.status:<14}  {o.seconds:6.1f}  {killer}")
+
+
+def kill_rate(outcomes: list[Outcome]) -> tuple[int, int, float]:
+    """(killed, applicable, rate): mutants not applicable to the stack are not counted."""
+    applicable = [o for o in outcomes if o.status != NOT_APPLICABLE]
+    killed = [o for o in applicable if o.status != "survived"]
+    return len(killed), len(applicable), len(killed) / len(applicable) if applicable else 0.0
 
 
 def list_catalogue() -> None:
@@ -365,11 +453,21 @@ def main(argv: list[str] | None = None) -> int:
         shadow = make_shadow(root, scratch)
         problems = check_catalogue(shadow, mutants)
         if problems:
-            print("mutants: the catalogue does not apply to the installed packages:", file=sys.stderr)
+            print("mutants: the catalogue does not fit the installed packages:", file=sys.stderr)
             for problem in problems:
                 print(f"  {problem}", file=sys.stderr)
             return 2
         check_shadowing(python, shadow, scratch)
+        resolutions = {m.name: resolve(shadow, m) for m in mutants}
+        for m in mutants:
+            if (why := resolutions[m.name].not_applicable) is not None:
+                outcomes.append(Outcome(m.name, m.category, NOT_APPLICABLE, None, why, 0.0, m.replays))
+                print(f"  {m.name}: not applicable ({why})", flush=True)
+        mutants = [m for m in mutants if resolutions[m.name].not_applicable is None]
+        if not mutants:
+            write_report(args, tests, control, outcomes, started, complete=True)
+            print("mutants: no mutant of the selection applies to the installed packages", file=sys.stderr)
+            return 2
         print(f"mutants: {len(mutants)} mutants of {root} ({stack()}); tests: {' '.join(tests)}", flush=True)
         if not args.no_control:
             status, test, message, seconds = run_suite(python, shadow, scratch, tests, args, "control")
@@ -397,11 +495,11 @@ def main(argv: list[str] | None = None) -> int:
             write_report(args, tests, control, outcomes, started, complete=False)
     after = hash_installed(root)
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    killed = [o for o in outcomes if o.status != "survived"]
-    rate = len(killed) / len(outcomes) if outcomes else 0.0
+    killed, applicable, rate = kill_rate(outcomes)
     print_matrix(outcomes)
     survivors = [o for o in outcomes if o.status == "survived"]
-    print(f"\nkill rate: {len(killed)}/{len(outcomes)} = {rate:.1%} (required {args.min_kill_rate:.0%}); "
+    print(f"\nkill rate: {killed}/{applicable} applicable = {rate:.1%} "
+          f"(required {args.min_kill_rate:.0%}; {len(outcomes) - applicable} not applicable); "
           f"total {time.monotonic() - started:.0f} s")  # fmt: skip
     for o in survivors:
         print(f"survived: {o.name}: {o.cpu_undetectable or 'NOT DOCUMENTED: add a test or a reason'}")

@@ -116,13 +116,37 @@ def test_fully_shard_strategy_matches_torch_ddp(fully_shard_run, dist_env, strat
 
 
 @pytest.mark.distributed(world_size=2)
+def test_fully_shard_whole_model_as_one_unit_matches_torch_ddp(fully_shard_run, dist_env):
+    """The whole model as the one FSDP unit (``fsdp_unit_modules=[TwoBlockMLP]``, the root's own
+    type, the simplest way to shard a small model), weights sharded: the root's unshard and reshard
+    hooks are the only ones, and they must run when the wrapper calls the model (Megatron-LM PR
+    #5808: MegatronFSDP.forward called ``module.forward`` and bypassed them). Losses equal torch
+    DDP's."""
+    expected = _ddp_losses(dist_env)
+    model = _model()
+    run = fully_shard_run(
+        model,
+        _sgd(model),
+        _batches(dist_env.rank),
+        _loss,
+        zero_dp_strategy="optim_grads_params",
+        fsdp_unit_modules=[TwoBlockMLP],
+    )
+    result = run.train(ITERS)
+    assert_last_loss_finite(result)
+    _assert_same(result.losses, expected, dist_env.platform, "fully_shard, the whole model one unit")
+
+
+@pytest.mark.distributed(world_size=2)
 def test_fully_shard_adam_matches_torch_ddp(known_bug, fully_shard_run, dist_env):
-    """Adam: sensitive to the step count, which fully_shard_optimizer's eager state initialisation
-    advances by one (a step on zero gradients): the first real update is under-applied."""
+    """AdamW with weight decay, as models are trained: sensitive to the step count, which
+    fully_shard_optimizer's eager state initialisation advances by one (a step on zero gradients:
+    the first real update is under-applied), and to that step's lr and weight decay (decoupled
+    decay moves the weights even on zero gradients: Megatron-LM PR #5976 zeroes both for it)."""
     known_bug(versions.FULLY_SHARD_EAGER_OPTIMIZER_STEP, raises=AssertionError)
 
     def adam(model):
-        return torch.optim.Adam(model.parameters(), lr=3e-3)
+        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
     expected = _ddp_losses(dist_env, adam)
     model = _model()

@@ -9,6 +9,7 @@ as ``test_strategies.py`` compares V1's.
 """
 
 import pytest
+import torch
 
 from pytest_megatron_fsdp import (
     assert_last_loss_finite,
@@ -93,6 +94,38 @@ def test_v2_strategy_matches_ddp_baseline(megatron_fsdp_run, run_config, dist_en
     _assert_close_losses(result.losses, expected, rel_tol, f"V2 {strategy}")
 
 
+#: 4 micro-batches: V2 adds each micro-batch's reduce-scattered shard onto the sharded gradient,
+#: DDP accumulates whole gradients and all-reduces once; the float32 sums may differ in order
+V2_ACCUMULATION_CPU_RTOL = 1e-6
+
+
+@pytest.mark.distributed(world_size=2)
+def test_v2_gradient_accumulation_four_microbatches(megatron_fsdp_run, run_config, dist_env):
+    """4 micro-batches per rank per step with V2: every backward reduce-scatters its gradient and
+    adds it onto the sharded gradient the step's earlier micro-batches left (the optimizer clears it
+    between steps). Losses equal Megatron DDP's accumulating the same micro-batches; a V2 that kept
+    only one micro-batch's gradient leaves them.
+
+    Grad norms are not compared: on Megatron-LM main of 2026-08-22 V2's grad norm is sqrt(dp) times
+    DDP's (measured 1.6745 vs 1.1841 on 2 ranks; the losses are DDP's): clip_grads sums the squares
+    over a DTensor gradient's data-parallel group and again over the optimizer's
+    grad_stats_parallel_group, which get_megatron_optimizer sets to that same group for V2. The tiny
+    preset does not clip (clip_grad=0), so training is unaffected here; Megatron-LM's open PR #6489
+    ("route MFSDP v2 grad norms through FSDP path") changes that path."""
+    use_megatron_fsdp_version(run_config, 2)
+    run_config.train.num_microbatches = 4
+    run_config.train.global_batch_size = 4 * 2 * 2  # micro 2 (tiny) x 4 micro-batches x dp 2
+    baseline = megatron_fsdp_run(ddp_baseline(run_config))
+    expected = baseline.train(ITERS).losses
+    baseline.close()
+    run = megatron_fsdp_run(run_config)
+    assert type(run.model).__name__ == "FullyShardedDataParallelV2"
+    result = run.train(ITERS)
+    assert_loss_decreased(result)
+    rel_tol = V2_ACCUMULATION_CPU_RTOL if dist_env.platform == "cpu" else GPU_RTOL
+    _assert_close_losses(result.losses, expected, rel_tol, "V2, 4 micro-batches")
+
+
 def _model_shards(run):
     from pytest_megatron_fsdp.fsdp.checkpoint_v2 import v2_state_snapshot
 
@@ -114,6 +147,10 @@ def test_v2_dcp_round_trip_is_exact(megatron_fsdp_run, run_config, checkpoint_di
     run_config.model.bf16 = bf16
     run = megatron_fsdp_run(run_config)
     run.train(ITERS)
+    # mixed precision: the optimizer steps fp32 main weights (megatron-core's default
+    # megatron_fsdp_main_params_dtype), whatever the compute dtype; the model computes in bf16
+    stepped = {p.dtype for g in run.optimizer.optimizer.param_groups for p in g["params"]}
+    assert stepped == {torch.float32}, f"V2's optimizer steps {stepped} weights, expected float32"
     save_dcp(run, checkpoint_dir)
     expected = _model_shards(run)
     stream = run.data_stream_state()

@@ -34,13 +34,43 @@ def test_the_catalogue_is_large_and_covers_every_category():
     assert any(f.startswith(catalogue.MCORE) and not f.startswith(catalogue.VENDORED) for f in files)
 
 
+def test_every_applicable_edit_matches_exactly_once_on_the_installed_stack(tmp_path):
+    """On whatever stack runs the unit tests (0.19.2 / 0.6.1, or a Megatron-LM main checkout): no
+    mutant whose code exists there is left without an edit that fits, in the runner's own copy."""
+    root = run.site_root()
+    shadow = run.make_shadow(root, tmp_path)
+    assert run.check_catalogue(shadow, list(catalogue.MUTANTS)) == []
+
+
 @pytest.mark.skipif(
     _versions() != ("0.19.2", "0.6.1"),
-    reason="the catalogue is written for megatron-core 0.19.2 + megatron-fsdp 0.6.1 (newest stack)",
+    reason="the stack without V2: megatron-core 0.19.2 + megatron-fsdp 0.6.1 (newest stack)",
 )
-def test_every_edit_matches_exactly_once_on_the_stack_it_was_written_for():
-    root = run.site_root()
-    assert run.check_catalogue(root, list(catalogue.MUTANTS)) == []
+def test_on_0_19_2_the_v2_mutants_are_not_applicable_and_the_others_are(tmp_path):
+    shadow = run.make_shadow(run.site_root(), tmp_path)
+    not_applicable = {m.name: run.resolve(shadow, m).not_applicable for m in catalogue.MUTANTS}
+    v2 = {m.name for m in catalogue.MUTANTS if m.needs is catalogue.V2}
+    assert len(v2) >= 8
+    assert {name for name, why in not_applicable.items() if why} >= v2
+    assert all(not_applicable[name] == catalogue.V2.why for name in v2)
+    # the first 37 (written for this stack) all apply
+    assert not any(not_applicable[m.name] for m in catalogue.MUTANTS[:37])
+
+
+def _has_v2() -> bool:
+    from pytest_megatron_fsdp.fsdp import versions
+
+    return versions.megatron_fsdp_v2_problem() is None
+
+
+@pytest.mark.skipif(not _has_v2(), reason="megatron-core without Megatron-FSDP V2 (0.19.2 and older)")
+def test_with_v2_installed_every_mutant_applies(tmp_path):
+    """Megatron-LM main (d98e8a64dd or later, V2 in megatron-core): the V2 mutants, the replays of
+    fixes on main and the first 37 (through their per-stack variants) all apply."""
+    shadow = run.make_shadow(run.site_root(), tmp_path)
+    assert {m.name: run.resolve(shadow, m).not_applicable for m in catalogue.MUTANTS} == {
+        m.name: None for m in catalogue.MUTANTS
+    }
 
 
 def _fake_site(tmp_path: Path) -> Path:
@@ -53,12 +83,73 @@ def test_an_edit_that_does_not_fit_is_named_with_its_count(tmp_path):
     site = _fake_site(tmp_path)
     missing = catalogue.Mutant("gone", "c", ("megatron_fsdp/f.py",), "z = 3", "z = 4", "d")
     twice = catalogue.Mutant("twice", "c", ("megatron_fsdp/f.py",), " = ", " == ", "d")
-    nofile = catalogue.Mutant("nofile", "c", ("megatron_fsdp/g.py",), "a", "b", "d")
-    assert run.check_catalogue(site, [missing, twice, nofile]) == [
-        "gone: its old text occurs 0 times in megatron_fsdp/f.py (must be once)",
-        "twice: its old text occurs 2 times in megatron_fsdp/f.py (must be once)",
-        "nofile: megatron_fsdp/g.py is not installed",
+    assert run.check_catalogue(site, [missing, twice]) == [
+        "gone: no edit matches exactly once in every file (old text occurs 0 times in megatron_fsdp/f.py)",
+        "twice: no edit matches exactly once in every file (old text occurs 2 times in megatron_fsdp/f.py)",
     ]
+
+
+def test_a_mutant_whose_code_is_not_in_the_stack_is_not_applicable_with_the_reason(tmp_path):
+    """A file the stack does not have, or a ``needs`` text it does not contain (V2 on 0.19.2, a fix
+    a release predates): not applicable, which is not a problem of the catalogue."""
+    site = _fake_site(tmp_path)
+    nofile = catalogue.Mutant("nofile", "c", ("megatron_fsdp/g.py",), "a", "b", "d")
+    needs = catalogue.Needs("megatron_fsdp/f.py", "class V2(", "no V2 here")
+    v2 = catalogue.Mutant("v2", "c", ("megatron_fsdp/f.py",), "z = 3", "z = 4", "d", needs=needs)
+    assert run.resolve(site, nofile).not_applicable == "not in this stack: megatron_fsdp/g.py"
+    assert run.resolve(site, v2).not_applicable == "no V2 here"
+    assert run.check_catalogue(site, [nofile, v2]) == []
+    # where the needed code exists, the edit must fit
+    (site / "megatron_fsdp" / "f.py").write_text("class V2(\n")
+    assert run.resolve(site, v2).not_applicable is None
+    assert run.check_catalogue(site, [v2]) == [
+        "v2: no edit matches exactly once in every file (old text occurs 0 times in megatron_fsdp/f.py)"
+    ]
+
+
+def test_a_per_stack_variant_is_used_where_the_text_moved(tmp_path):
+    site = _fake_site(tmp_path)
+    moved = catalogue.Mutant(
+        "moved",
+        "c",
+        ("megatron_fsdp/f.py",),
+        "x = 1 / m",
+        "x = 1.0",
+        "d",
+        variants=(("x = 1 / n", "x = 2.0"),),
+    )
+    assert run.resolve(site, moved).edit == ("x = 1 / n", "x = 2.0")
+    assert run.check_catalogue(site, [moved]) == []
+    with run.Applied(site, moved):
+        assert (site / "megatron_fsdp" / "f.py").read_text() == "x = 2.0\ny = 2\n"
+
+
+def test_not_applicable_mutants_are_left_out_of_the_kill_rate():
+    def outcome(name: str, status: str) -> run.Outcome:
+        return run.Outcome(name, "c", status, None, None, 0.0)
+
+    outcomes = [outcome("a", "killed"), outcome("b", "survived"), outcome("c", run.NOT_APPLICABLE)]
+    assert run.kill_rate(outcomes) == (1, 2, 0.5)
+    assert run.kill_rate([outcome("c", run.NOT_APPLICABLE)]) == (0, 0, 0.0)
+
+
+def test_an_editable_checkouts_standalone_package_is_the_vendored_copy_edited_once(tmp_path, monkeypatch):
+    """Megatron-LM main installed editable: ``megatron_fsdp`` is megatron-core's vendored directory. The
+    copy keeps it so (a link), and a mutant of both copies edits that one file once."""
+    root = tmp_path / "site"
+    vendored = root / catalogue.VENDORED
+    vendored.mkdir(parents=True)
+    (vendored / "f.py").write_text("x = 1 / n\n")
+    monkeypatch.setattr(run, "standalone_dir", lambda _root: vendored.resolve())
+    shadow = run.make_shadow(root, tmp_path / "scratch")
+    assert (shadow / "megatron_fsdp").is_symlink()
+    assert (shadow / "megatron_fsdp" / "f.py").resolve() == (shadow / catalogue.VENDORED / "f.py").resolve()
+    mutant = catalogue.Mutant("m", "c", catalogue.both("f.py"), "1 / n", "1.0", "d")
+    assert run.check_catalogue(shadow, [mutant]) == []
+    with run.Applied(shadow, mutant):
+        assert (shadow / "megatron_fsdp" / "f.py").read_text() == "x = 1.0\n"
+    assert (shadow / catalogue.VENDORED / "f.py").read_text() == "x = 1 / n\n"
+    assert (vendored / "f.py").read_text() == "x = 1 / n\n"  # the installed file is never edited
 
 
 def test_an_applied_mutant_is_undone_to_the_byte_and_the_mtime(tmp_path):
