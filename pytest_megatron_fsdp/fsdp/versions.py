@@ -479,6 +479,19 @@ OPTIM_SYNC_DOUBLE_REDUCE = KnownBug(
     fixed_in="0.20.0",
 )
 
+#: Megatron-FSDP V2 (megatron-core 0.20 on Megatron-LM main): ``get_grad_norm_fp32`` sums the squared
+#: norms over the DTensor gradients' data-parallel group, then again over
+#: ``grad_stats_parallel_group``, which holds the same ranks for V2: the norm is sqrt(dp) times DDP's.
+V2_GRAD_NORM_OVER_DP = KnownBug(
+    "upstream bug (measured on Megatron-LM main d98e8a64dd, 2 ranks: 2.2021 vs DDP's 1.5571): Megatron-FSDP "
+    "V2's global grad norm is sqrt(dp) times DDP's, so clip_grad clips with the wrong norm; "
+    "get_grad_norm_fp32 reduces the squared norms over the DTensor gradients' data-parallel group and "
+    "again over grad_stats_parallel_group (the same ranks for V2); Megatron-LM PR #6489 (open) changes "
+    "that path",
+    first="0.20",
+    fixed_in=None,
+)
+
 #: tp > 1 without Transformer Engine: ``_fix_tensor_parallel_attributes`` does
 #: ``isinstance(m, (TELinear,))`` with ``TELinear`` None -> TypeError.
 TENSOR_PARALLEL_WITHOUT_TE = KnownBug(
@@ -562,6 +575,7 @@ KNOWN_BUGS = {
     "optim_sync_double_reduce": OPTIM_SYNC_DOUBLE_REDUCE,
     "tensor_parallel_without_te": TENSOR_PARALLEL_WITHOUT_TE,
     "fsdp2_finish_grad_sync": FSDP2_FINISH_GRAD_SYNC,
+    "v2_grad_norm_over_dp": V2_GRAD_NORM_OVER_DP,
 }
 
 _CITATION = re.compile(r"(?:Megatron-(?:LM|Bridge) )?(?:PR|issue) #\d+")
