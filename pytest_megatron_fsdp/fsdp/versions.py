@@ -479,6 +479,16 @@ OPTIM_SYNC_DOUBLE_REDUCE = KnownBug(
     fixed_in="0.20.0",
 )
 
+#: A data-parallel size of 1 on megatron-core 0.16: optim_grads_params reports twice DDP's grad norm.
+FSDP_GRAD_NORM_DOUBLED_AT_DP1 = KnownBug(
+    "upstream bug (measured 2026-12-03 on megatron-core 0.16.1, one CPU rank): with a data-parallel "
+    "size of 1, Megatron-FSDP optim_grads_params reports a global grad norm exactly twice DDP's (4.3445 "
+    "vs 2.1722 at iteration 1; losses within 1e-7), so clip_grad would clip by it; not on 0.19.2; the "
+    "fixing change is not traced (fixed_in is the first release seen without it)",
+    first="0.16",
+    fixed_in="0.19.2",
+)
+
 #: Megatron-FSDP V2 (megatron-core 0.20 on Megatron-LM main): ``get_grad_norm_fp32`` sums the squared
 #: norms over the DTensor gradients' data-parallel group, then again over
 #: ``grad_stats_parallel_group``, which holds the same ranks for V2: the norm is sqrt(dp) times DDP's.
@@ -576,6 +586,7 @@ KNOWN_BUGS = {
     "tensor_parallel_without_te": TENSOR_PARALLEL_WITHOUT_TE,
     "fsdp2_finish_grad_sync": FSDP2_FINISH_GRAD_SYNC,
     "v2_grad_norm_over_dp": V2_GRAD_NORM_OVER_DP,
+    "fsdp_grad_norm_doubled_at_dp1": FSDP_GRAD_NORM_DOUBLED_AT_DP1,
 }
 
 _CITATION = re.compile(r"(?:Megatron-(?:LM|Bridge) )?(?:PR|issue) #\d+")

@@ -23,18 +23,24 @@ from pytest_megatron_fsdp.checkpoint import (
     save_checkpoint,
     state_snapshot,
 )
+from pytest_megatron_fsdp.fsdp import versions
 
 pytestmark = pytest.mark.distributed(world_size=1)
 
 ITERS = 6
-#: GPUs: cuBLAS and bf16 kernels may reorder sums between the two runs; fp32 CPU ranks are exact
+#: GPUs: cuBLAS and bf16 kernels may reorder sums between the two runs
 GPU_RTOL = 1e-4
+#: CPU, fp32: exact on megatron-core 0.19.2; on 0.16.1 Megatron-FSDP's buffers add in another order
+#: (measured: 1e-7 relative from iteration 3, 4.7015343 vs DDP's 4.7015338, optim_grads_params)
+CPU_RTOL = 1e-6
 #: the grad norm: Megatron-FSDP sums squares bucket by bucket, DDP over whole tensors (float32 order)
 GRAD_NORM_RTOL = 1e-5
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
-def test_one_rank_trains_to_ddps_losses(megatron_fsdp_run, run_config, dist_env, strategy):
+def test_one_rank_trains_to_ddps_losses(known_bug, megatron_fsdp_run, run_config, dist_env, strategy):
+    if strategy == "optim_grads_params":
+        known_bug(versions.FSDP_GRAD_NORM_DOUBLED_AT_DP1)
     ddp = megatron_fsdp_run(ddp_baseline(run_config))
     expected = ddp.train(ITERS)
     ddp.close()  # one model-parallel state at a time; the next run re-initialises it, same seed
@@ -42,7 +48,7 @@ def test_one_rank_trains_to_ddps_losses(megatron_fsdp_run, run_config, dist_env,
     run = megatron_fsdp_run(run_config)
     result = run.train(ITERS)
     assert_megatron_fsdp_sharded(run.model)
-    rel_tol = 0.0 if dist_env.platform == "cpu" else GPU_RTOL
+    rel_tol = CPU_RTOL if dist_env.platform == "cpu" else GPU_RTOL
     assert_matches_baseline(result.losses, expected.losses, rel_tol=rel_tol, what=strategy)
     assert_matches_baseline(
         result.grad_norms, expected.grad_norms, rel_tol=GRAD_NORM_RTOL, what=strategy, metric="grad norm"
