@@ -483,8 +483,9 @@ OPTIM_SYNC_DOUBLE_REDUCE = KnownBug(
 FSDP_GRAD_NORM_DOUBLED_AT_DP1 = KnownBug(
     "upstream bug (measured 2026-12-03 on megatron-core 0.16.1, one CPU rank): with a data-parallel "
     "size of 1, Megatron-FSDP optim_grads_params reports a global grad norm exactly twice DDP's (4.3445 "
-    "vs 2.1722 at iteration 1; losses within 1e-7), so clip_grad would clip by it; not on 0.19.2; the "
-    "fixing change is not traced (fixed_in is the first release seen without it)",
+    "vs 2.1722 at iteration 1; losses within 1e-7), so clip_grad would clip by it; no upstream report "
+    "found; equal to DDP's from megatron-core 0.19.2 (0.17, 0.18 not measured); reproduction: "
+    "tests/functional/test_world_size_one.py (test_one_rank_trains_to_ddps_losses[optim_grads_params])",
     first="0.16",
     fixed_in="0.19.2",
 )
