@@ -57,6 +57,7 @@ __all__ = [
     "CUDA_DEVICE_CHECKERS",
     "CUDA_TYPE_CHECKERS",
     "PATCHED_CUDA_ATTRIBUTES",
+    "PatchSet",
     "disable",
     "emulated",
     "enable",
@@ -414,18 +415,35 @@ def _in_order_gloo_class() -> type:
     return InOrderProcessGroupGloo
 
 
-class _Emulation:
-    """The applied patch set: remembers every original so :meth:`restore` undoes it exactly."""
+class PatchSet:
+    """Attributes set on torch's modules and classes, each original remembered so :meth:`restore`
+    undoes them exactly, last first (the emulation's and the foreign-suite layer's)."""
 
     _MISSING = object()
 
     def __init__(self) -> None:
         self._originals: list[tuple[Any, str, Any]] = []
-        self._mode: _CudaToCpuMode | None = None
 
-    def _patch(self, owner: Any, name: str, value: Any) -> None:
+    def patch(self, owner: Any, name: str, value: Any) -> None:
         self._originals.append((owner, name, owner.__dict__.get(name, self._MISSING)))
         setattr(owner, name, value)
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._originals):
+            if original is self._MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._originals.clear()
+
+
+class _Emulation:
+    """The applied patch set: remembers every original so :meth:`restore` undoes it exactly."""
+
+    def __init__(self) -> None:
+        self._patches = PatchSet()
+        self._patch = self._patches.patch
+        self._mode: _CudaToCpuMode | None = None
 
     def apply(self) -> None:
         import torch.cuda.random as cuda_random
@@ -457,12 +475,7 @@ class _Emulation:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # unannotated in torch
             self._mode = None
-        for owner, name, original in reversed(self._originals):
-            if original is self._MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self._originals.clear()
+        self._patches.restore()
 
 
 _active: _Emulation | None = None

@@ -181,16 +181,11 @@ def _named(function: Callable[..., Any], name: str) -> Callable[..., Any]:
 class _ForeignLayer:
     """The applied patch set over the emulation; :meth:`restore` undoes it exactly."""
 
-    _MISSING = object()
-
     def __init__(self, devices: _Devices, pg_timeout_s: float) -> None:
         self.devices = devices
         self.pg_timeout_s = pg_timeout_s
-        self._originals: list[tuple[Any, str, Any]] = []
-
-    def _patch(self, owner: Any, name: str, value: Any) -> None:
-        self._originals.append((owner, name, owner.__dict__.get(name, self._MISSING)))
-        setattr(owner, name, value)
+        self._patches = cuda_emulation.PatchSet()
+        self._patch = self._patches.patch
 
     def apply(self) -> None:
         import torch.cuda.random as cuda_random
@@ -235,12 +230,7 @@ class _ForeignLayer:
             self._patch(owner, "barrier", _without_device_ids(owner.__dict__["barrier"]))
 
     def restore(self) -> None:
-        for owner, name, original in reversed(self._originals):
-            if original is self._MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self._originals.clear()
+        self._patches.restore()
 
 
 _active: _ForeignLayer | None = None
