@@ -42,6 +42,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be a number of seconds, 0 or more")
+    return value
+
+
 def _existing_dir(text: str) -> str:
     if not os.path.isdir(text):
         raise ValueError("no such directory (it must exist, and on multi-node runs be shared by all nodes)")
@@ -274,6 +281,16 @@ OPTIONS: dict[str, Option] = {
             ),
         ),
         Option(
+            "hang-after",
+            "seconds without progress on any rank (no collective completed, no move in Python, on CPU "
+            "ranks no computing) after which a distributed test is reported hung before its timeout; "
+            "the timeout stays the last net and says 'too slow' for a test still getting somewhere "
+            "(default 60; 0: off, only the timeout ends a test)",
+            _non_negative_float,
+            60.0,
+            "SECONDS",
+        ),
+        Option(
             "reruns",
             "rerun a failed distributed test up to N times, each attempt in a fresh rank set; passed on a "
             "rerun is reported as flaky (plain mode only; the marker's reruns= wins; default 0)",
@@ -489,6 +506,7 @@ class SessionValues:
     preset: str | None
     cpu_speed: str
     timeout: float
+    hang_after: float
     reruns: int
     #: the kinds of failure that are rerun (empty: every kind)
     only_rerun: tuple[str, ...]

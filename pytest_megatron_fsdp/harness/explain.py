@@ -8,6 +8,7 @@ that each failure wording has one home; many tests assert on it byte for byte.
 from __future__ import annotations
 
 import itertools
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from . import flight_recorder
+from .progress import Verdict
 from .protocol import TIMEOUT_BANNER, TIMEOUT_EXIT_CODE
 
 #: how much of torchrun's output a post-mortem keeps (its end)
@@ -92,6 +94,8 @@ class PostMortem:
     exit_statuses: dict[int, int] = field(default_factory=dict)
     #: ranks whose watchdog ended them (the timeout banner is in their log)
     timed_out: list[int] = field(default_factory=list)
+    #: hung or too slow, as the first timed-out rank's banner says (:func:`verdict_phrase`)
+    verdict: str | None = None
     #: per rank, the part of its log that explains its end (see log_excerpt)
     excerpts: dict[int, str] = field(default_factory=dict)
     #: per rank whose log has a pytest internal error, its exception (see internal_error)
@@ -154,9 +158,9 @@ def describe_death(
     pm = post_mortem
     lines: list[str] = []
     if pm.timed_out or killed_after is not None:
+        verdict = pm.verdict or verdict_phrase(None, timeout)
         lines.append(
-            f"timed out: the test exceeded its {timeout:g} s timeout; every rank's stacks were dumped "
-            "and the rank set was killed"
+            f"timed out: the test {verdict}; every rank's stacks were dumped and the rank set was killed"
         )
         if timeout_source is not None:
             lines.append(f"timeout {timeout:g} s (from {timeout_source})")
@@ -253,19 +257,54 @@ def rerun_summary(reports: list[Any]) -> list[str]:
 # -- a test's timeout in a rank that reports its own session (torchrun, srun) -------------------------
 
 
-def timeout_banner(nodeid: str, timeout: float, rank: int, interrupts: bool) -> str:
+def verdict_phrase(verdict: Verdict | None, timeout: float, rank: int | None = None) -> str:
+    """How a test whose time ran out ended, told from its ranks' progress (None: nothing measured
+    it), after the test's name: hung before its timeout, or at its timeout with no progress (hung)
+    or still getting somewhere (too slow); ``rank``: the rank that says so (in its banner).
+    No semicolon: the banner ends the phrase with one."""
+    on_rank = f" on rank {rank}" if rank is not None else ""
+    if verdict is None or verdict.quiet_s is None:
+        return f"exceeded its {timeout:g} s timeout{on_rank}"
+    quiet = f"{verdict.quiet_s:.0f} s"
+    if verdict.before_timeout:
+        return (
+            f"hung{on_rank} (no progress on any rank for {quiet}, the --mfsdp-hang-after bound, "
+            f"{verdict.elapsed_s:.0f} s into its {timeout:g} s timeout)"
+        )
+    if verdict.hung:
+        return f"exceeded its {timeout:g} s timeout{on_rank} (hung: no progress on any rank for {quiet})"
+    return (
+        f"exceeded its {timeout:g} s timeout{on_rank} (too slow: still progressing, last progress "
+        f"{quiet} ago)"
+    )
+
+
+def timeout_banner(
+    nodeid: str, timeout: float, rank: int, interrupts: bool, verdict: Verdict | None = None
+) -> str:
     """The line a rank's watchdog writes before this rank's stacks, in its log (where the post-mortem
     command and a plain-mode parent find it) and, in a rank whose process ends here, on stderr.
-    ``interrupts``: the rank interrupts the test and goes on (torchrun, srun), else it ends."""
+    ``interrupts``: the rank interrupts the test and goes on (torchrun, srun), else it ends;
+    ``verdict``: hung or too slow (:func:`verdict_phrase`)."""
     then = (
         "the test is interrupted and fails on every rank; the session goes on"
         if interrupts
         else "then the rank is ended (a rank stuck in a collective cannot be unwound)"
     )
-    return (
-        f"{TIMEOUT_BANNER}: {nodeid} exceeded its {timeout:g} s timeout on rank {rank}; "
-        f"stacks of every thread follow, {then}"
-    )
+    verdict_text = verdict_phrase(verdict, timeout, rank)
+    return f"{TIMEOUT_BANNER}: {nodeid} {verdict_text}; stacks of every thread follow, {then}"
+
+
+def verdict_in(log: str) -> str | None:
+    """The verdict of the first timeout banner in a rank's log (:func:`timeout_banner`), as
+    :func:`verdict_phrase` words it without the rank."""
+    match = _BANNER_VERDICT.search(log)
+    return f"{match.group(1)}{match.group(2) or ''}" if match else None
+
+
+_BANNER_VERDICT = re.compile(
+    rf"{TIMEOUT_BANNER}: .+? (exceeded its \S+ s timeout|hung) on rank \d+( \([^;\n]*\))?; stacks of every"
+)
 
 
 def timed_out_in_rank(banner: str, collectives: list[str], stacks: str) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import flight_recorder
-from .explain import OUTPUT_TAIL_CHARS, PostMortem, internal_error, log_excerpt
+from .explain import OUTPUT_TAIL_CHARS, PostMortem, internal_error, log_excerpt, verdict_in
 from .protocol import (
     BATCH_FILE_FLAG,
     REPORT_FILE_FLAG,
@@ -287,6 +287,7 @@ class RankSet:
             root=root,
             exit_statuses=self.pytest_exit_statuses(),
             timed_out=[r for r, log in logs.items() if TIMEOUT_BANNER in log],
+            verdict=next(filter(None, map(verdict_in, logs.values())), None),
             excerpts={r: log_excerpt(log) for r, log in logs.items()},
             internal_errors={r: cause for r, log in logs.items() if (cause := internal_error(log))},
             log_dir=self.log_dir,

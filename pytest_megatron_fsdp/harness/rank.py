@@ -38,7 +38,7 @@ from typing import IO, Any, Literal, TextIO, cast
 
 import pytest
 
-from . import coexist, explain, flight_recorder, protocol, pytest_compat, warnings_relay
+from . import coexist, explain, flight_recorder, progress, protocol, pytest_compat, warnings_relay
 from .agreement import headlined_failure, merge_reports, summarise
 from .held_terminal import HELD_TERMINAL
 from .interrupt import MainThreadInterrupt
@@ -109,9 +109,11 @@ class RankRunner:
         duties: RankDuties,
         distributed_logs: bool = False,
         private_temp: Path | None = None,
+        hang_after_s: float = 0.0,
     ) -> None:
         """``default_timeout``: the timeout of a test neither the parent's batch nor its marker
-        gives one (a test without the marker in a torchrun rank session)."""
+        gives one (a test without the marker in a torchrun rank session); ``hang_after_s``: seconds
+        without progress on any rank after which a test is hung (0: only its timeout ends it)."""
         self.config = config
         self.torchrun = torchrun
         self.rank = torchrun.rank
@@ -119,6 +121,7 @@ class RankRunner:
         #: seconds the ranks wait for each other's collection (the process-group timeout)
         self._agreement_timeout_s = agreement_timeout_s
         self._default_timeout = default_timeout
+        self._hang_after_s = hang_after_s
         self.duties = duties
         self._report_file = config.getoption(REPORT_FILE_DEST)
         #: the parent's resolved timeout per test (launched rank sets only)
@@ -321,7 +324,7 @@ class RankRunner:
         # A rank that survives its timeouts watches the test alone: the outcome exchange after it has
         # a bound of its own. A launched rank ends at the timeout, exchange included (its parent
         # runs the rest of the batch in a fresh rank set).
-        watch = self._watchdog(item, timeout)
+        watch = self._watchdog(item, timeout, index)
         around_exchange, around_test = (nullcontext(), watch) if survives else (watch, nullcontext())
         with around_exchange:
             relay: AbstractContextManager[list[warnings.WarningMessage]] = (
@@ -505,13 +508,15 @@ class RankRunner:
             self.log.write(f"FAILED (agreed) {report.nodeid} ({report.when}):\n{report.longreprtext}\n")
 
     @contextmanager
-    def _watchdog(self, item: pytest.Item, timeout: float) -> Iterator[None]:
+    def _watchdog(self, item: pytest.Item, timeout: float, index: int) -> Iterator[None]:
         nodeid = item.nodeid
         done = threading.Event()
         started_ns = time.time_ns()
+        started = time.monotonic()
 
         def expire() -> None:
-            if done.wait(timeout):
+            verdict = self._await_verdict(done, index, started, timeout)
+            if verdict is None:
                 return
             expired_at = time.monotonic()
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
@@ -519,9 +524,9 @@ class RankRunner:
             # parent) to align.
             flight_recorder.dump(flight_recorder.dump_path(self.log_path.parent, self.rank))
             if self.duties.survives_timeouts:
-                self._interrupt_at_timeout(item, timeout, done, expired_at, started_ns)
+                self._interrupt_at_timeout(item, timeout, verdict, done, expired_at, started_ns)
             else:
-                self._end_at_timeout(nodeid, timeout)
+                self._end_at_timeout(nodeid, timeout, verdict)
 
         # Backup in C, should the GIL never come back to the thread above.
         backup = timeout + (RECOVERY_GRACE_S + 8 if self.duties.survives_timeouts else 10)
@@ -534,8 +539,35 @@ class RankRunner:
             done.set()
             faulthandler.cancel_dump_traceback_later()
 
+    def _await_verdict(
+        self, done: threading.Event, index: int, started: float, timeout: float
+    ) -> progress.Verdict | None:
+        """Until test ``index`` (begun at monotonic ``started``) is done (None), hangs (no rank got
+        anywhere for the no-progress bound, or a peer found that) or reaches its timeout: the
+        verdict then. Without a rank session's beacon, the timeout alone."""
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
+        beacon = rank_session.beacon if rank_session is not None else None
+        while True:
+            now = time.monotonic()
+            quiet = beacon.quiet_for(started) if beacon is not None else None
+            if beacon is not None and (declared := beacon.hang_declared(index)) is not None:
+                return declared
+            verdict = progress.decide(now - started, timeout, quiet, self._hang_after_s)
+            if verdict is not None:
+                if beacon is not None and verdict.hung and verdict.before_timeout:
+                    beacon.declare_hang(index, verdict)
+                return verdict
+            if done.wait(min(started + timeout - now, progress.LOOK_INTERVAL_S)):
+                return None
+
     def _interrupt_at_timeout(
-        self, item: pytest.Item, timeout: float, done: threading.Event, expired_at: float, started_ns: int
+        self,
+        item: pytest.Item,
+        timeout: float,
+        verdict: progress.Verdict,
+        done: threading.Event,
+        expired_at: float,
+        started_ns: int,
     ) -> None:
         """A rank that survives its timeouts (torchrun, srun): its stacks and, on rank 0, every
         rank's aligned collectives into the failure, which is raised in the main thread where it is
@@ -543,7 +575,7 @@ class RankRunner:
         back); the session goes on with the next test. A main thread that does not come back within
         :data:`RECOVERY_GRACE_S` ends the rank (:meth:`_end_stuck`)."""
         nodeid = item.nodeid
-        banner = explain.timeout_banner(nodeid, timeout, self.rank, interrupts=True)
+        banner = explain.timeout_banner(nodeid, timeout, self.rank, interrupts=True, verdict=verdict)
         stacks = _stacks_of_every_thread()
         with contextlib.suppress(OSError, ValueError):
             self.log.write(f"{banner}\n{stacks}")
@@ -631,14 +663,14 @@ class RankRunner:
         if self._private_temp is not None:
             shutil.rmtree(self._private_temp, ignore_errors=True)
 
-    def _end_at_timeout(self, nodeid: str, timeout: float) -> None:
+    def _end_at_timeout(self, nodeid: str, timeout: float, verdict: progress.Verdict) -> None:
         """A launched rank: its stacks into its log, and the rank ends (its parent reports the
         timeout from the logs and runs the rest of the batch in a fresh rank set)."""
         # This process ends here, without teardown or unconfigure, and may be killed any time
         # once a peer has seen its marker below (torchrun stops the others as soon as one
         # rank exits): its temp trees go now, before it tells the peers it is done.
         self._remove_temp_trees()
-        banner = explain.timeout_banner(nodeid, timeout, self.rank, interrupts=False)
+        banner = explain.timeout_banner(nodeid, timeout, self.rank, interrupts=False, verdict=verdict)
         for stream in (self.log, sys.stderr):
             try:
                 stream.write(banner + "\n")

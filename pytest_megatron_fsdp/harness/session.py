@@ -25,6 +25,7 @@ import pytest
 from ..environment import DistEnv
 from . import cpu_probe, flight_recorder, owned_temp
 from .platform import PlatformChoice
+from .progress import ProgressBeacon
 
 #: this rank's session (None until a collected test needs one, and after it closed)
 RANK_SESSION = pytest.StashKey["RankSession | None"]()
@@ -71,8 +72,6 @@ class RendezvousError(pytest.UsageError):  # type: ignore[misc]
     """The ranks did not all reach the rendezvous store in time (one line, no traceback)."""
 
 
-#: seconds between two signs of life of a rank that nothing else watches (see Heartbeat)
-HEARTBEAT_INTERVAL_S = 1.0
 #: seconds without a sign of life after which a peer that owes an outcome counts as gone
 PEER_SILENCE_S = 20.0
 
@@ -96,47 +95,19 @@ class PeerStuck(SessionCannotGoOn):
         self.rank = rank
 
 
-class Heartbeat:
-    """A rank's sign of life in the rendezvous store, for ranks that nothing else watches.
+def _client_of_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
+    """A further client connection to the rendezvous store (for a thread that must not wait behind
+    the main connection's waits)."""
+    import torch.distributed as dist
 
-    torchrun's agent and the plain-mode parent end a rank set when one of its ranks dies; srun waits
-    for the rest of its tasks. A rank of an srun step that waits for a peer's outcome therefore
-    asks the store whether the peer is still alive: every rank counts up ``alive/<rank>`` once a
-    second from a thread, through a store connection of its own (a wait on the main connection
-    holds it for as long as it waits).
-    """
-
-    def __init__(self, torchrun: TorchrunEnv, timeout: datetime.timedelta) -> None:
-        import torch.distributed as dist
-
-        client = dist.TCPStore(  # type: ignore[attr-defined]
-            host_name=torchrun.master_addr,
-            port=torchrun.master_port,  # type: ignore[arg-type]
-            is_master=False,
-            timeout=timeout,
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-        self._store = dist.PrefixStore("mfsdp-alive", client)  # type: ignore[attr-defined]
-        self._key = str(torchrun.rank)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="mfsdp-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        count = 0
-        while True:
-            count += 1
-            try:
-                self._store.set(self._key, str(count))
-            except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing to tell
-                return
-            if self._stop.wait(HEARTBEAT_INTERVAL_S):
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host_name=torchrun.master_addr,
+        port=torchrun.master_port,  # type: ignore[arg-type]
+        is_master=False,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
 
 
 def first_line(exc: BaseException) -> str:
@@ -275,8 +246,12 @@ class RankSession:
         self._after_test: list[Callable[[], str | None]] = []
         #: puts torch's group-creation helper back (see bound_group_timeouts)
         self._unbound_group_timeouts = bound_group_timeouts(pg_timeout)
-        #: this rank's sign of life, where nothing else watches the ranks (an srun step)
-        self.heartbeat: Heartbeat | None = None
+        #: this rank's progress and sign of life in the store, every rank's read back (a hang is
+        #: told from slowness by it); None until the session has started
+        self.beacon: ProgressBeacon | None = None
+        #: whether this rank watches its peers' signs of life itself (an srun step: torchrun's agent
+        #: or the plain-mode parent end a rank set when a rank dies, srun waits for the rest)
+        self.counts_on_heartbeats = False
         #: the last sign of life seen of each peer, and when it was first seen (monotonic)
         self._signs_of_life: dict[int, tuple[bytes | None, float]] = {}
         #: set once peers are known to be gone: nobody waits for them any more
@@ -435,8 +410,14 @@ class RankSession:
         if choice.platform == "cpu":  # never on GPUs: their bf16 is the GPU's, not the CPU's
             session.cpu = cpu_probe.agreed_cpu_report(torchrun.rank, harness_store, *cpu_speed)
         session._init_process_group()
-        if torchrun.launched_by:  # srun: nobody else watches these ranks
-            session.heartbeat = Heartbeat(torchrun, timeout)
+        session.beacon = ProgressBeacon(
+            functools.partial(_client_of_store, torchrun, timeout),
+            torchrun.rank,
+            torchrun.world_size,
+            threading.main_thread().ident or 0,
+            counts_cpu=choice.platform == "cpu",
+        )
+        session.counts_on_heartbeats = bool(torchrun.launched_by)  # srun: nobody else watches these ranks
         return session
 
     def exchange(
@@ -467,7 +448,7 @@ class RankSession:
                 self.store.wait(keys, datetime.timedelta(seconds=max(min(remaining, 1.0), 0.1)))
                 return
             except dist.DistNetworkError as exc:
-                if self.heartbeat is None:
+                if not self.counts_on_heartbeats:
                     raise
                 raise self._store_gone(what, exc) from None
             except dist.DistStoreError:
@@ -480,9 +461,9 @@ class RankSession:
                     for rank in missing
                     if self.store.check([f"stuck/{rank}"])
                 }
-                silent = self._silent(missing) if self.heartbeat is not None else []
+                silent = self._silent(missing) if self.counts_on_heartbeats else []
             except (dist.DistError, RuntimeError) as exc:
-                if self.heartbeat is None:
+                if not self.counts_on_heartbeats:
                     raise
                 raise self._store_gone(what, exc) from None
             if stuck:
@@ -559,8 +540,8 @@ class RankSession:
         import torch.distributed as dist
 
         rank, world = self.env.rank, self.env.world_size
-        if self.heartbeat is not None:
-            self.heartbeat.close()  # first: rank 0's store may go as soon as every rank is closing
+        if self.beacon is not None:
+            self.beacon.close()  # first: rank 0's store may go as soon as every rank is closing
         try:
             self.store.set(f"closing/{rank}", "1")
             # nobody removes the shared dir while another rank may still use it

@@ -109,6 +109,7 @@ class _RankRolePlugin(RolePlugin):
             duties=cls.DUTIES,
             distributed_logs=values.distributed_logs,
             private_temp=config.stash.get(RANK_TEMP, None),
+            hang_after_s=values.hang_after,
         )
         return cls(config, role.torchrun, runner)
 

@@ -36,7 +36,7 @@ def _watching_session(store) -> RankSession:
     rank_session = RankSession.__new__(RankSession)
     rank_session._rendezvous_store = store
     rank_session.store = torch_distributed.PrefixStore("mfsdp", store)
-    rank_session.heartbeat = object()  # an srun rank: it counts on heartbeats
+    rank_session.counts_on_heartbeats = True  # an srun rank: it counts on heartbeats
     rank_session._signs_of_life = {}
     rank_session.peers_gone = False
     return rank_session
@@ -128,7 +128,7 @@ def _rebuilding_session(store, init=lambda: None, timeout_s: float = 0.5) -> Ran
         platform="cpu",
         shared_dir=Path("/unused"),
     )
-    rank_session.heartbeat = None  # a launched rank set: the parent watches the ranks
+    rank_session.counts_on_heartbeats = False  # a launched rank set: the parent watches the ranks
     rank_session.generation = 0
     rank_session._pg_timeout = datetime.timedelta(seconds=timeout_s)
     rank_session._on_release = []
