@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -124,6 +125,28 @@ def torchrun_pytest_command(*pytest_args: str, nproc: int = 2) -> list[str]:
     return torchrun_command(nproc, "-m", "pytest", *pytest_args)
 
 
+def free_srun_job_id(nodes: int) -> int:
+    """A job id for tests/integration/srun_sim.py whose derived port (20000 + id mod 10000) is free
+    on every loopback "node"."""
+    for _ in range(200):
+        job = random.randrange(10**6, 10**7)
+        port = 20000 + job % 10000
+        try:
+            for node in range(nodes):
+                with socket.socket() as s:
+                    s.bind((f"127.0.0.{node + 1}", port))
+        except OSError:
+            continue
+        return job
+    raise AssertionError("no free port in 20000-29999")
+
+
+@pytest.fixture
+def srun_job_id() -> Callable[[int], int]:
+    """``srun_job_id(nodes)``: a job id for tests/integration/srun_sim.py (see :func:`free_srun_job_id`)."""
+    return free_srun_job_id
+
+
 @pytest.fixture
 def free_port() -> int:
     """A loopback port no one listens on now (for a rendezvous a test addresses itself)."""
@@ -183,9 +206,11 @@ def run_pytest_session(
     nproc: int = 2,
     env: Mapping[str, str] | None = None,
     timeout: float = 300,
+    launch: Callable[[list[str]], list[str]] | None = None,
 ) -> Scenario:
     """Writes ``files`` (name -> text) into ``path`` and runs pytest there once: plain (the plugin
-    launches the rank sets) or under torchrun (``nproc`` ranks), as pytester's
+    launches the rank sets), under torchrun (``nproc`` ranks) or under ``launch`` (pytest's
+    arguments -> the command line: srun, two torchrun agents), as pytester's
     ``runpytest_subprocess`` would (a plain environment, ``path`` on ``PYTHONPATH``, a basetemp and a
     ``$TMPDIR`` of its own, no colour). A session still running after ``timeout`` seconds is killed
     with all its processes and fails the test."""
@@ -199,11 +224,12 @@ def run_pytest_session(
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH", "")]))
     environ.update(env or {})
     pytest_args = ["-p", "no:cacheprovider", f"--basetemp={path / 'basetemp'}", *args]
-    command = (
-        torchrun_pytest_command(*pytest_args, nproc=nproc)
-        if torchrun
-        else [sys.executable, "-m", "pytest", *pytest_args]
-    )
+    if launch is not None:
+        command = launch(pytest_args)
+    elif torchrun:
+        command = torchrun_pytest_command(*pytest_args, nproc=nproc)
+    else:
+        command = [sys.executable, "-m", "pytest", *pytest_args]
     started = time.monotonic()
     with subprocess.Popen(
         command,

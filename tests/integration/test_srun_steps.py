@@ -5,8 +5,6 @@ each, a task killed mid-test, and a step whose other task never runs pytest."""
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -47,21 +45,6 @@ def test_trains(megatron_fsdp_run, run_config):
 """
 
 
-def _free_job_id(nodes: int) -> int:
-    """A job id whose derived port (20000 + id mod 10000) is free on every loopback "node"."""
-    for _ in range(200):
-        job = random.randrange(10**6, 10**7)
-        port = 20000 + job % 10000
-        try:
-            for node in range(nodes):
-                with socket.socket() as s:
-                    s.bind((f"127.0.0.{node + 1}", port))
-        except OSError:
-            continue
-        return job
-    raise AssertionError("no free port in 20000-29999")
-
-
 def _sim(
     path: Path, *args: str, job: int, timeout: float = 300, nodes: int = 1
 ) -> subprocess.CompletedProcess:
@@ -80,11 +63,11 @@ def _pytest(*args: str) -> list[str]:
     return ["--", sys.executable, "-m", "pytest", "-rA", *args]  # rank logs in .pytest_cache
 
 
-def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes):
+def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes, srun_job_id):
     """No option given: the first distributed test starts the plugin in each task (CPU ranks, the
     emulation), task 0 reports for both; Megatron-FSDP trains as under torchrun."""
     pytester.makepyfile(test_step=STEP_TESTS, test_training=TRAINING_TEST)
-    done = _sim(pytester.path, "--ntasks-per-node=2", *_pytest(), job=_free_job_id(1))
+    done = _sim(pytester.path, "--ntasks-per-node=2", *_pytest(), job=srun_job_id(1))
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "0: " + "=" * 10 in out, out
@@ -99,12 +82,12 @@ def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes):
     assert leftover_processes(pytester.path) == []
 
 
-def test_two_by_two_on_two_loopback_nodes(pytester, isolated_tmp, leftover_processes):
+def test_two_by_two_on_two_loopback_nodes(pytester, isolated_tmp, leftover_processes, srun_job_id):
     """Nodes 127.0.0.1 and 127.0.0.2 (``SLURM_STEP_NODELIST=127.0.0.[1-2]``), 2 tasks each: four
     ranks, local ranks 0 and 1 on each node, the store on the first node's address."""
     pytester.makepyfile(test_step=STEP_TESTS)
     done = _sim(
-        pytester.path, "--ntasks-per-node=2", *_pytest("--mfsdp-platform=cpu"), job=_free_job_id(2), nodes=2
+        pytester.path, "--ntasks-per-node=2", *_pytest("--mfsdp-platform=cpu"), job=srun_job_id(2), nodes=2
     )
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
@@ -135,7 +118,7 @@ def test_never_runs(dist_env):
 
 
 def test_a_task_killed_mid_test_ends_the_step_with_one_clear_report(
-    pytester, isolated_tmp, leftover_processes
+    pytester, isolated_tmp, leftover_processes, srun_job_id
 ):
     """srun (without -K) waits for the other tasks: rank 0 must notice by itself that rank 1 is gone
     (no heartbeat), fail the test saying so, stop the session, and leave nothing behind: no process,
@@ -146,7 +129,7 @@ def test_a_task_killed_mid_test_ends_the_step_with_one_clear_report(
         "--ntasks-per-node=2",
         f"--kill=1:{pytester.path / 'started-1'}",
         *_pytest(),
-        job=_free_job_id(1),
+        job=srun_job_id(1),
     )
     out = done.stdout + done.stderr
     assert "srun-sim: task 1: killed by SIGKILL" in out, out
@@ -159,7 +142,9 @@ def test_a_task_killed_mid_test_ends_the_step_with_one_clear_report(
     assert leftover_processes(pytester.path) == []
 
 
-def test_a_task_that_never_runs_pytest_is_one_line_not_a_hang(pytester, isolated_tmp, leftover_processes):
+def test_a_task_that_never_runs_pytest_is_one_line_not_a_hang(
+    pytester, isolated_tmp, leftover_processes, srun_job_id
+):
     """SLURM_STEP_NUM_TASKS=2 but task 1 runs something else: task 0 gives up at the rendezvous after
     --mfsdp-pg-timeout with one line naming the step."""
     pytester.makepyfile(test_step=STEP_TESTS)
@@ -171,7 +156,7 @@ def test_a_task_that_never_runs_pytest_is_one_line_not_a_hang(pytester, isolated
         "sh",
         "-c",
         f'if [ "$SLURM_PROCID" = 1 ]; then exit 0; fi; exec {command}',
-        job=_free_job_id(1),
+        job=srun_job_id(1),
         timeout=120,
     )
     out = done.stdout + done.stderr

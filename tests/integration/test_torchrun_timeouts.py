@@ -7,8 +7,13 @@ result and every test not run."""
 
 from __future__ import annotations
 
+import functools
+import shlex
+import socket
+import sys
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +185,94 @@ def test_a_rank_stuck_in_c_ends_the_session_with_every_result_reported(inner_ses
     assert "megatron-fsdp: 2 tests not run" in scenario.out, out
     assert "test_stuck.py::test_3_never_runs\n" in scenario.out + "\n", out
     assert scenario.leftovers == []
+
+
+def _srun_step(job_id: int, pytest_args: list[str]) -> list[str]:
+    """One srun step of 2 tasks on one node (tests/integration/srun_sim.py)."""
+    sim = Path(__file__).with_name("srun_sim.py")
+    job = f"--job-id={job_id}"
+    return [
+        sys.executable,
+        str(sim),
+        job,
+        "--timeout=300",
+        "--ntasks-per-node=2",
+        "--",
+        sys.executable,
+        "-m",
+        "pytest",
+        *pytest_args,
+    ]
+
+
+def _two_torchrun_agents(pytest_args: list[str]) -> list[str]:
+    """Two torchrun agents on loopback, one rank each (``--nnodes=2``), as on two nodes; the
+    command exits with the higher of their exit codes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def agent(node: int) -> str:
+        return shlex.join(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={node}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "-m",
+                "pytest",
+                *pytest_args,
+            ]
+        )
+
+    script = (
+        f"{agent(0)} & first=$!; {agent(1)}; second=$?; wait $first; first=$?; "
+        "exit $(( first > second ? first : second ))"
+    )
+    return ["bash", "-c", script]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun-2-nodes", "plain"])
+def test_the_scenario_under_every_launcher(run_scenario, srun_job_id, launcher):
+    """The same four tests in an srun step, under two torchrun agents (``--nnodes=2`` on loopback)
+    and in plain mode: both timed-out tests fail with their reasons, the tests after them run and
+    the last one passes, the JUnit file and the summary say so, nothing is left."""
+    launch = {
+        "srun": functools.partial(_srun_step, srun_job_id(1)),
+        "torchrun-2-nodes": _two_torchrun_agents,
+        "plain": None,
+    }[launcher]
+    scenario = run_scenario(
+        f"timeouts-{launcher}",
+        {"test_timeouts.py": TESTS},
+        f"--mfsdp-timeout={TIMEOUT_S}",
+        "--junitxml=junit.xml",
+        "--mfsdp-platform=cpu",
+        "--mfsdp-log-dir=logs",
+        launch=launch,
+        timeout=400,
+    )
+    out = scenario.out + scenario.result.stderr.str()
+    assert scenario.result.ret != 0, out
+    cases = _cases(scenario.junit)
+    assert list(cases) == [
+        "test_1_passes",
+        "test_2_sleeps_past_its_timeout",
+        "test_3_rank1_never_joins_the_all_reduce",
+        "test_4_passes_after_the_timeouts",
+    ], out
+    for passed in ("test_1_passes", "test_4_passes_after_the_timeouts"):
+        assert list(cases[passed]) == [], ET.tostring(cases[passed]).decode()
+    for name in ("test_2_sleeps_past_its_timeout", "test_3_rank1_never_joins_the_all_reduce"):
+        failures = cases[name].findall("failure")
+        assert len(failures) == 1, ET.tostring(cases[name]).decode()
+        text = failures[0].get("message", "") + (failures[0].text or "")
+        assert f"exceeded its {TIMEOUT_S} s timeout" in text, text
+        assert "hung: no progress on any rank for" in text, text
+    assert "2 failed, 2 passed" in out, out
+    assert scenario.leftovers == []
+    assert [name for name in scenario.tmp_left if not name.startswith("torchelastic_")] == []
