@@ -260,20 +260,21 @@ def test_the_check_fails_on_each_kind_of_violation(tmp_path, files, expected):
 
 
 @pytest.mark.parametrize(
-    ("environ", "args", "expected"),
+    ("environ", "args", "expected", "kind"),
     [
-        ({}, [], "ParentPlugin"),
-        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], "TorchrunRankPlugin"),
+        ({}, [], "ParentPlugin", None),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], "RankPlugin", "TorchrunRank"),
         (
             {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
             ["--mfsdp-report-file={tmp}/events.jsonl", "--mfsdp-batch-file={tmp}/batch.txt"],
-            "LaunchedRankPlugin",
+            "RankPlugin",
+            "LaunchedRank",
         ),
     ],
 )
-def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, environ, args, expected):
+def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, environ, args, expected, kind):
     """A configured session of each role (in process, no rank started) holds one role plugin, of
-    its role's class, and no other controller or rank plugin."""
+    its role's class (a rank's holding its kind), and no other controller or rank plugin."""
     from pytest_megatron_fsdp import cpu_mode, roles
     from pytest_megatron_fsdp.harness.controller import Controller
     from pytest_megatron_fsdp.harness.rank import RankRunner
@@ -296,3 +297,5 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
     role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankRunner))]
     assert [type(p).__name__ for p in role_plugins] == [expected]
     assert type(role_plugins[0]) is roles.role_of(config).plugin_class
+    plugin = role_plugins[0]
+    assert (type(plugin.kind).__name__ if isinstance(plugin, roles.RankPlugin) else None) == kind
