@@ -11,7 +11,9 @@ A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; 
 module per role), decided once: only the role decision (``roles/deciding.py``) reads the torchrun
 environment, an srun step's Slurm variables or the launched-by-parent flag, and exactly one role
 plugin is registered per process. ``roles/`` is a room of its own above the harness: a role holds
-its harness objects and imports them; ``harness/`` never imports a role.
+its harness objects and imports them; ``harness/`` never imports a role. A role's class inherits no
+other role's class, only the interface every role's plugin offers (``RolePlugin``): what two roles
+share is held (the rank roles' one plugin holds its kind).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def layering_problems(root: Path) -> list[str]:
             problems += [f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] == "_pytest"]
     loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
     problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
-    return problems + role_problems(root)
+    return problems + role_problems(root) + inheritance_problems(root)
 
 
 #: the variables torchrun sets for its ranks (and its agent's TORCHELASTIC_*)
@@ -158,6 +160,31 @@ def role_problems(root: Path) -> list[str]:
             name = getattr(node, field) if field else None
             if name in ROLE_READERS:
                 problems.append(f"{module} asks which role it plays ({name})")
+    return problems
+
+
+#: the one class in ``roles/`` a role's class may inherit: what every role's plugin class offers
+ROLE_INTERFACE = "RolePlugin"
+
+
+def inheritance_problems(root: Path) -> list[str]:
+    """Classes in ``roles/`` that inherit another class of ``roles/`` than :data:`ROLE_INTERFACE`:
+    a role holds what it shares with another (as a rank's plugin holds its kind), it does not
+    inherit it."""
+    trees = {
+        m: ast.parse(p.read_text()) for m, p in _modules(root).items() if m.startswith(f"{root.name}.roles")
+    }
+    classes = [node for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    defined = {node.name for node in classes} - {ROLE_INTERFACE}
+    problems = []
+    for module, tree in sorted(trees.items()):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+                if name in defined:
+                    problems.append(f"{module}: {node.name} inherits {name}")
     return problems
 
 
@@ -252,6 +279,15 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         (
             {"harness/__init__.py": "", "harness/i.py": "from . import slurm\nslurm.step_of({})\n"},
             "pkg.harness.i asks which role it plays (step_of)",
+        ),
+        (
+            {
+                "roles/__init__.py": "",
+                "roles/deciding.py": "class RolePlugin: ...\n",
+                "roles/ranks.py": "from .deciding import RolePlugin\nclass RankPlugin(RolePlugin): ...\n",
+                "roles/launched.py": "from . import ranks\nclass LaunchedRankPlugin(ranks.RankPlugin): ...\n",
+            },
+            "pkg.roles.launched: LaunchedRankPlugin inherits RankPlugin",
         ),
     ],
 )
