@@ -18,7 +18,7 @@ class AwaitingUse(RolePlugin):
     """A torchrun-mode rank's plugin until its session asks for megatron-fsdp (no option given).
 
     It watches the tests being collected; the first that uses the plugin starts the rank's plugin
-    (``start``: :meth:`.torchrun_rank.TorchrunRankPlugin.start_late`). A rank other than 0 holds
+    (``start``: :meth:`.torchrun_rank.TorchrunRank.start_late`). A rank other than 0 holds
     its terminal output until then, or until collection ends without one, when everything held
     goes to the terminal as it would without the plugin.
     """

@@ -3,36 +3,60 @@ reports back; the parent shows and writes everything."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
 import pytest
 
 from ..harness import protocol
 from ..harness.rank import RankDuties
 from ..harness.session import TorchrunEnv
-from .deciding import PLUGINS, Role
-from .ranks import _RankRolePlugin
+from .deciding import ProcessRole, Role, RolePlugin
+from .ranks import register
 
 
-class LaunchedRankPlugin(_RankRolePlugin):
-    """A rank of a set the parent launched: the parent shows and writes everything."""
+@dataclass(frozen=True)
+class LaunchedRank:
+    """A rank of a set the parent launched (a :class:`.ranks.RankKind`): the parent asked for the
+    plugin, chose the log dir and shows and writes everything; the batch's working dir, which the
+    parent removes even if the rank set is killed, holds the rank's temp dirs."""
 
-    LAUNCHED = True
-    DUTIES = RankDuties(
+    duties: ClassVar[RankDuties] = RankDuties(
         reports_itself=False,
         relays_warnings=True,
         when_it_cannot_go_on="this rank set stops; the later tests run in a fresh one",
     )
+    log_dir_chosen_by_parent: ClassVar[bool] = True
 
-    @classmethod
-    def _set_basetemp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
-        # Its own pytest temp dir inside the batch's working dir (two ranks must not share one
-        # basetemp; the parent removes the batch dir). Set before pytest_configure, where pytest
-        # reads it.
-        config.option.basetemp = str(protocol.batch_dir(config) / f"tmp-rank{torchrun.rank}")
+    def prepare(self, config: pytest.Config, role: ProcessRole) -> bool:
+        return True  # its parent asked for the plugin
 
-    def _shared_root(self, config: pytest.Config) -> str | None:
-        # Inside the batch's working dir, which the parent removes even if this rank set is killed.
-        given = super()._shared_root(config)
+    def make_own_temp(self, torchrun: TorchrunEnv) -> Path | None:
+        return None  # its pytest temp dir is in the batch dir (basetemp)
+
+    def too_late_hint(self, config: pytest.Config) -> str:
+        return ""
+
+    def before_configure(self, config: pytest.Config, torchrun: TorchrunEnv) -> bool:
+        return True  # pytest-randomly's seed: the parent's, on the rank's command line
+
+    def basetemp(self, config: pytest.Config, torchrun: TorchrunEnv) -> str:
+        # inside the batch's working dir, which the parent removes
+        return str(protocol.batch_dir(config) / f"tmp-rank{torchrun.rank}")
+
+    def configure(self, config: pytest.Config, role: ProcessRole) -> RolePlugin | None:
+        return None
+
+    def shared_root(self, config: pytest.Config, given: str | None) -> str | None:
         return str(protocol.batch_dir(config)) if given is None else given
 
+    def before_ranks_connect(self, items: list[pytest.Item]) -> None:
+        """Nothing: the parent reruns a failed test in a fresh rank set (pytest-rerunfailures)."""
 
-PLUGINS[Role.LAUNCHED_RANK] = LaunchedRankPlugin
+    def install_signal_handlers(self, torchrun: TorchrunEnv) -> Callable[[], None] | None:
+        return None  # the parent's handlers end the rank set
+
+
+register(Role.LAUNCHED_RANK, LaunchedRank())

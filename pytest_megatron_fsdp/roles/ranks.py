@@ -1,42 +1,103 @@
-"""What both kinds of rank role share (a rank of a set the parent launched, :mod:`.launched_rank`;
-a rank of a torchrun session or srun step the user started, :mod:`.torchrun_rank`): the platform,
-the rank session, the rank's pytest hooks around its rank harness."""
+"""The one plugin of a rank, of either kind: a rank of a set the parent launched
+(:mod:`.launched_rank`) or of a torchrun session or srun step the user started
+(:mod:`.torchrun_rank`). It holds the rank's harness (a :class:`..harness.rank.RankRunner`) and
+its kind (a :class:`RankKind`: what differs between the two, each kind's module defining its own),
+and owns every pytest hook of a rank: the platform, the rank session, the hooks around the runner."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Protocol
 
 import pytest
 
 from .. import cpu_mode, options
 from ..fsdp import gpu_only, versions
-from ..harness import coexist, owned_temp, protocol
+from ..harness import owned_temp, protocol
 from ..harness.platform import select_platform
 from ..harness.rank import RankDuties, RankRunner
 from ..harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
-from .deciding import PLATFORM, ProcessRole, RolePlugin
+from .deciding import PLATFORM, PLUGINS, ProcessRole, Role, RolePlugin
+from .summary import show_summary
 
-#: a torchrun-mode rank's private temp tree (pytest's basetemp, torch's inductor cache), removed at exit
+#: a rank's private temp tree (a torchrun-mode rank's: pytest's basetemp, torch's inductor cache), removed
+#: at exit (:meth:`RankKind.make_own_temp`)
 RANK_TEMP = pytest.StashKey[Path]()
 
 
-class _RankRolePlugin(RolePlugin):
-    """What both kinds of rank do: the platform, the rank session, and the pytest hooks around the
-    rank's :class:`..harness.rank.RankRunner`, which it holds."""
+class RankKind(Protocol):
+    """What differs between the kinds of rank: the rank's plugin holds one. Three methods run first
+    in a :class:`.deciding.RolePlugin` stage of the plugin and have their say on the rest of it:
+    :meth:`prepare` and :meth:`before_configure` in the stages of those names, :meth:`configure`
+    in ``create``."""
+
+    @property
+    def duties(self) -> RankDuties:
+        """What the rank does that depends on who reports its session (its parent, or its rank 0)."""
+
+    @property
+    def log_dir_chosen_by_parent(self) -> bool:
+        """Whether the rank's log dir was chosen by a parent and passed on."""
+
+    def prepare(self, config: pytest.Config, role: ProcessRole) -> bool:
+        """At ``pytest_load_initial_conftests``, first: whether the rank starts now (else it awaits
+        its session's use of the plugin)."""
+
+    def make_own_temp(self, torchrun: TorchrunEnv) -> Path | None:
+        """A temp tree of the rank's own, removed when the rank ends (:data:`RANK_TEMP`), or None."""
+
+    def too_late_hint(self, config: pytest.Config) -> str:
+        """What the usage error adds where the CUDA emulation came too late (megatron imported)."""
+
+    def before_configure(self, config: pytest.Config, torchrun: TorchrunEnv) -> bool:
+        """At ``pytest_cmdline_main``, first: whether the rank makes its settings now."""
+
+    def basetemp(self, config: pytest.Config, torchrun: TorchrunEnv) -> str:
+        """Where this rank's pytest basetemp goes (two ranks must not share one)."""
+
+    def configure(self, config: pytest.Config, role: ProcessRole) -> RolePlugin | None:
+        """At configure, first: the plugin to register instead of the rank's (its session has not
+        asked for megatron-fsdp yet), or None."""
+
+    def shared_root(self, config: pytest.Config, given: str | None) -> str | None:
+        """Where the rank session's shared dir goes (``given``: ``--mfsdp-shared-dir``)."""
+
+    def before_ranks_connect(self, items: list[pytest.Item]) -> None:
+        """What the rank refuses in its collected tests before it connects to the others (every
+        rank alike)."""
+
+    def install_signal_handlers(self, torchrun: TorchrunEnv) -> Callable[[], None] | None:
+        """The kind's own signal handlers, once its plugin is registered; returns what restores the
+        previous ones at unconfigure."""
+
+
+#: each rank role's kind, filled in by the kind's module (:func:`register`)
+KINDS: dict[Role, RankKind] = {}
+
+
+def register(role: Role, kind: RankKind) -> None:
+    """``role`` is a rank of ``kind``: its plugin is a :class:`RankPlugin` holding it."""
+    KINDS[role] = kind
+    PLUGINS[role] = RankPlugin
+
+
+class RankPlugin(RolePlugin):
+    """A rank's plugin, of either kind: the platform, the rank session, and the pytest hooks around
+    the rank's :class:`..harness.rank.RankRunner`, which it holds with its :class:`RankKind`."""
 
     NAME = "mfsdp-rank"
-    LAUNCHED: ClassVar[bool]
-    #: what the rank does that depends on who reports its session
-    DUTIES: ClassVar[RankDuties]
 
-    def __init__(self, config: pytest.Config, torchrun: TorchrunEnv, runner: RankRunner) -> None:
+    def __init__(
+        self, config: pytest.Config, torchrun: TorchrunEnv, kind: RankKind, runner: RankRunner
+    ) -> None:
         self.config = config
         self.torchrun = torchrun
+        self.kind = kind
         self.runner = runner
+        self._restore_signals: Callable[[], None] | None = None
 
     @classmethod
     def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:
@@ -45,9 +106,14 @@ class _RankRolePlugin(RolePlugin):
         # start (a bad value, no GPU): a usage error here ends the rank without pytest_unconfigure,
         # which would leave a private temp tree behind.
         assert role.torchrun is not None
+        kind = KINDS[role.role]
+        if not kind.prepare(config, role):
+            return
         debug_collectives = options.value_of(config, "debug-collectives").value
         choice = select_platform(options.value_of(config, "platform").value, role.torchrun.local_world_size)
-        cls._prepare_temp(config, role.torchrun)
+        private = kind.make_own_temp(role.torchrun)
+        if private is not None:
+            config.stash[RANK_TEMP] = private
         if debug_collectives:
             # before any conftest or test module can create a process group or read the setting
             check_collectives(os.environ)
@@ -55,10 +121,9 @@ class _RankRolePlugin(RolePlugin):
             try:
                 cpu_mode.enable()
             except cpu_mode.EmulationTooLate as exc:
-                private = config.stash.get(RANK_TEMP, None)
                 if private is not None:  # no unconfigure will remove it: the rank ends here
                     shutil.rmtree(private, ignore_errors=True)
-                raise pytest.UsageError(f"megatron-fsdp: {exc}{cls._too_late_hint(config)}") from None
+                raise pytest.UsageError(f"megatron-fsdp: {exc}{kind.too_late_hint(config)}") from None
             if options.value_of(config, "foreign-suite").value:
                 # over the emulation, before any conftest of the suite is imported
                 cpu_mode.enable_foreign_suite(
@@ -69,49 +134,45 @@ class _RankRolePlugin(RolePlugin):
         config.stash[PLATFORM] = choice
 
     @classmethod
-    def _too_late_hint(cls, config: pytest.Config) -> str:
-        return ""
-
-    @classmethod
-    def _prepare_temp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
-        """A temp tree of the rank's own; none by default: a launched rank's pytest temp dir is in the
-        batch directory its parent removes (:meth:`_set_basetemp`)."""
-
-    @classmethod
     def before_configure(cls, config: pytest.Config, role: ProcessRole) -> None:
         assert role.torchrun is not None
+        kind = KINDS[role.role]
+        if not kind.before_configure(config, role.torchrun):
+            return
         if role.torchrun.rank != 0:
             # One JUnit file per run: rank 0's (it carries every rank's outcome); two ranks writing
             # the same path could interleave.
             config.option.xmlpath = None
-        cls._set_basetemp(config, role.torchrun)
-
-    @classmethod
-    def _set_basetemp(cls, config: pytest.Config, torchrun: TorchrunEnv) -> None:
-        """Where this rank's pytest basetemp goes (launched and torchrun ranks differ)."""
-        raise NotImplementedError
+        # set before pytest_configure, where pytest reads it
+        config.option.basetemp = kind.basetemp(config, role.torchrun)
 
     @classmethod
     def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> RolePlugin:
-        return cls._rank_plugin(config, role, values)
+        instead = KINDS[role.role].configure(config, role)
+        return instead if instead is not None else cls.build(config, role, values)
 
     @classmethod
-    def _rank_plugin(
-        cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues
-    ) -> _RankRolePlugin:
+    def build(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> RankPlugin:
+        """The rank's plugin with its runner (:meth:`create` without the kind's say)."""
         assert role.torchrun is not None
+        kind = KINDS[role.role]
         runner = RankRunner(
             config,
             role.torchrun,
-            lambda: protocol.log_dir(config, values.log_dir, "torchrun", chosen_by_parent=cls.LAUNCHED),
+            lambda: protocol.log_dir(
+                config, values.log_dir, "torchrun", chosen_by_parent=kind.log_dir_chosen_by_parent
+            ),
             agreement_timeout_s=values.pg_timeout,
             default_timeout=_timeout_without_the_marker,
-            duties=cls.DUTIES,
+            duties=kind.duties,
             distributed_logs=values.distributed_logs,
             private_temp=config.stash.get(RANK_TEMP, None),
             hang_after_s=values.hang_after,
         )
-        return cls(config, role.torchrun, runner)
+        return cls(config, role.torchrun, kind, runner)
+
+    def registered(self) -> None:
+        self._restore_signals = self.kind.install_signal_handlers(self.torchrun)
 
     # -- the rank's log -----------------------------------------------------------------------------
 
@@ -136,16 +197,14 @@ class _RankRolePlugin(RolePlugin):
         self.runner.select_batch(config, items)  # a launched rank set: the parent's batch
 
     def _shared_root(self, config: pytest.Config) -> str | None:
-        return options.session_values(config).shared_dir
+        return self.kind.shared_root(config, options.session_values(config).shared_dir)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         config = session.config
         if config.option.collectonly or not _needs_rank_session(session):
             return
-        if not self.LAUNCHED:
-            # before the ranks connect: every rank refuses alike
-            coexist.refuse_rerunfailures_under_torchrun(session.items)
+        self.kind.before_ranks_connect(session.items)
         values = options.session_values(config)
         rank_session = RankSession.start(
             self.torchrun,
@@ -212,6 +271,16 @@ class _RankRolePlugin(RolePlugin):
             session.config.stash[RANK_SESSION] = None
             rank_session.close()
 
+    def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+        if not self.kind.duties.reports_itself or hasattr(config, "workerinput") or self.torchrun.rank != 0:
+            return  # a parent reports a launched rank set; other ranks must not overwrite rank 0's report
+        show_summary(terminalreporter, config, "torchrun")
+        not_run = self.runner.not_run_lines()
+        if not_run:
+            terminalreporter.write_sep("=", not_run[0])
+            for nodeid in not_run[1:]:
+                terminalreporter.write_line(nodeid)
+
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.runner.close_log()  # the rank's log closes first
         private = config.stash.get(RANK_TEMP, None)
@@ -221,6 +290,8 @@ class _RankRolePlugin(RolePlugin):
             owned_temp.sweep([None, self._shared_root(config)])
         if config.stash.get(PLATFORM, None) is not None and config.stash[PLATFORM].platform == "cpu":
             cpu_mode.disable()
+        if self._restore_signals is not None:
+            self._restore_signals()
 
 
 def _timeout_without_the_marker(item: pytest.Item) -> float:

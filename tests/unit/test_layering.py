@@ -11,7 +11,9 @@ A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; 
 module per role), decided once: only the role decision (``roles/deciding.py``) reads the torchrun
 environment, an srun step's Slurm variables or the launched-by-parent flag, and exactly one role
 plugin is registered per process. ``roles/`` is a room of its own above the harness: a role holds
-its harness objects and imports them; ``harness/`` never imports a role.
+its harness objects and imports them; ``harness/`` never imports a role. A role's class inherits no
+other role's class, only the interface every role's plugin offers (``RolePlugin``): what two roles
+share is held (the rank roles' one plugin holds its kind).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def layering_problems(root: Path) -> list[str]:
             problems += [f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] == "_pytest"]
     loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
     problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
-    return problems + role_problems(root)
+    return problems + role_problems(root) + inheritance_problems(root)
 
 
 #: the variables torchrun sets for its ranks (and its agent's TORCHELASTIC_*)
@@ -158,6 +160,31 @@ def role_problems(root: Path) -> list[str]:
             name = getattr(node, field) if field else None
             if name in ROLE_READERS:
                 problems.append(f"{module} asks which role it plays ({name})")
+    return problems
+
+
+#: the one class in ``roles/`` a role's class may inherit: what every role's plugin class offers
+ROLE_INTERFACE = "RolePlugin"
+
+
+def inheritance_problems(root: Path) -> list[str]:
+    """Classes in ``roles/`` that inherit another class of ``roles/`` than :data:`ROLE_INTERFACE`:
+    a role holds what it shares with another (as a rank's plugin holds its kind), it does not
+    inherit it."""
+    trees = {
+        m: ast.parse(p.read_text()) for m, p in _modules(root).items() if m.startswith(f"{root.name}.roles")
+    }
+    classes = [node for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    defined = {node.name for node in classes} - {ROLE_INTERFACE}
+    problems = []
+    for module, tree in sorted(trees.items()):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+                if name in defined:
+                    problems.append(f"{module}: {node.name} inherits {name}")
     return problems
 
 
@@ -253,6 +280,15 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
             {"harness/__init__.py": "", "harness/i.py": "from . import slurm\nslurm.step_of({})\n"},
             "pkg.harness.i asks which role it plays (step_of)",
         ),
+        (
+            {
+                "roles/__init__.py": "",
+                "roles/deciding.py": "class RolePlugin: ...\n",
+                "roles/ranks.py": "from .deciding import RolePlugin\nclass RankPlugin(RolePlugin): ...\n",
+                "roles/launched.py": "from . import ranks\nclass LaunchedRankPlugin(ranks.RankPlugin): ...\n",
+            },
+            "pkg.roles.launched: LaunchedRankPlugin inherits RankPlugin",
+        ),
     ],
 )
 def test_the_check_fails_on_each_kind_of_violation(tmp_path, files, expected):
@@ -260,20 +296,21 @@ def test_the_check_fails_on_each_kind_of_violation(tmp_path, files, expected):
 
 
 @pytest.mark.parametrize(
-    ("environ", "args", "expected"),
+    ("environ", "args", "expected", "kind"),
     [
-        ({}, [], "ParentPlugin"),
-        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], "TorchrunRankPlugin"),
+        ({}, [], "ParentPlugin", None),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}, [], "RankPlugin", "TorchrunRank"),
         (
             {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
             ["--mfsdp-report-file={tmp}/events.jsonl", "--mfsdp-batch-file={tmp}/batch.txt"],
-            "LaunchedRankPlugin",
+            "RankPlugin",
+            "LaunchedRank",
         ),
     ],
 )
-def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, environ, args, expected):
+def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, environ, args, expected, kind):
     """A configured session of each role (in process, no rank started) holds one role plugin, of
-    its role's class, and no other controller or rank plugin."""
+    its role's class (a rank's holding its kind), and no other controller or rank plugin."""
     from pytest_megatron_fsdp import cpu_mode, roles
     from pytest_megatron_fsdp.harness.controller import Controller
     from pytest_megatron_fsdp.harness.rank import RankRunner
@@ -296,3 +333,5 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
     role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankRunner))]
     assert [type(p).__name__ for p in role_plugins] == [expected]
     assert type(role_plugins[0]) is roles.role_of(config).plugin_class
+    plugin = role_plugins[0]
+    assert (type(plugin.kind).__name__ if isinstance(plugin, roles.RankPlugin) else None) == kind

@@ -1,0 +1,123 @@
+"""The two kinds of rank, in process: both rank roles register the one rank plugin class
+(``roles.ranks.RankPlugin``), and what differs between a rank of a set the parent launched and a
+rank of a torchrun session the user started is its kind (``LaunchedRank``, ``TorchrunRank``), each
+fact stated once there. The real sessions are the integration tier's (test_faults.py and
+test_torchrun_timeouts.py among others)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pytest_megatron_fsdp.harness import protocol
+from pytest_megatron_fsdp.harness.session import TorchrunEnv
+from pytest_megatron_fsdp.roles import AwaitingUse, LaunchedRank, ProcessRole, RankPlugin, Role, TorchrunRank
+from pytest_megatron_fsdp.roles.deciding import PLUGINS
+from pytest_megatron_fsdp.roles.ranks import KINDS, RANK_TEMP
+
+RANK1 = TorchrunEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
+
+
+def test_both_rank_roles_register_the_one_rank_plugin_with_their_kind():
+    assert PLUGINS[Role.LAUNCHED_RANK] is RankPlugin
+    assert PLUGINS[Role.TORCHRUN_RANK] is RankPlugin
+    assert type(KINDS[Role.LAUNCHED_RANK]) is LaunchedRank
+    assert type(KINDS[Role.TORCHRUN_RANK]) is TorchrunRank
+
+
+def test_what_a_rank_does_depends_on_who_reports_its_session():
+    launched, torchrun = LaunchedRank(), TorchrunRank()
+    # a launched rank set: the parent reports, chose the log dir, and runs later tests in a fresh set
+    assert (launched.duties.reports_itself, launched.duties.relays_warnings) == (False, True)
+    assert not launched.duties.survives_timeouts
+    assert launched.log_dir_chosen_by_parent
+    # the user's torchrun: rank 0 reports, and the session outlives a test's timeout
+    assert (torchrun.duties.reports_itself, torchrun.duties.relays_warnings) == (True, False)
+    assert torchrun.duties.survives_timeouts
+    assert not torchrun.log_dir_chosen_by_parent
+
+
+def _launched_config(batch: Path, basetemp: str | None = None) -> SimpleNamespace:
+    report_file = str(batch / "events.jsonl")
+    return SimpleNamespace(
+        getoption=lambda name, default=None: report_file if name == protocol.REPORT_FILE_DEST else default,
+        option=SimpleNamespace(basetemp=basetemp),
+        stash=pytest.Stash(),
+    )
+
+
+def test_a_launched_rank_keeps_its_temp_dirs_in_the_batch_dir_its_parent_removes(tmp_path):
+    kind, config = LaunchedRank(), _launched_config(tmp_path / "batch")
+    assert kind.make_own_temp(RANK1) is None
+    assert kind.basetemp(config, RANK1) == str(tmp_path / "batch" / "tmp-rank1")
+    assert kind.shared_root(config, None) == str(tmp_path / "batch")
+    assert kind.shared_root(config, "/given") == "/given"
+
+
+def test_a_torchrun_rank_has_a_temp_tree_of_its_own_that_holds_its_basetemp(tmp_path, monkeypatch):
+    kind = TorchrunRank()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")  # restored as unset after the test
+    private = kind.make_own_temp(RANK1)
+    assert private is not None
+    assert private.parent == tmp_path
+    assert private.name.startswith("mfsdp-rank1-")
+    assert private.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(private / "torchinductor")
+
+    config = SimpleNamespace(option=SimpleNamespace(basetemp=None), stash=pytest.Stash())
+    config.stash[RANK_TEMP] = private
+    assert kind.basetemp(config, RANK1) == str(private / "basetemp")
+    # an explicit --basetemp is split per rank (its parents made) and kept
+    config.option.basetemp = str(tmp_path / "given" / "deeper")
+    assert kind.basetemp(config, RANK1) == str(tmp_path / "given" / "deeper" / "rank1")
+    assert (tmp_path / "given" / "deeper").is_dir()
+    assert kind.shared_root(config, None) is None
+    assert kind.shared_root(config, "/given") == "/given"
+
+
+def test_a_torchrun_rank_without_options_awaits_use_a_launched_one_never_does(pytester):
+    config = pytester.parseconfig("-p", "no:randomly")
+    role = ProcessRole(Role.TORCHRUN_RANK, RANK1)
+    torchrun = TorchrunRank()
+    assert torchrun.too_late_hint(config) == ""
+    assert not torchrun.prepare(config, role)  # no option given: awaits a test that uses the plugin
+    assert not torchrun.before_configure(config, RANK1)
+    assert isinstance(torchrun.configure(config, role), AwaitingUse)
+    assert "--mfsdp-platform=cpu" in torchrun.too_late_hint(config)
+    assert torchrun.prepare(config, role)  # asked again when a test uses the plugin: starts
+
+    launched = LaunchedRank()
+    config = pytester.parseconfig("-p", "no:randomly")
+    role = ProcessRole(Role.LAUNCHED_RANK, RANK1)
+    assert launched.prepare(config, role)
+    assert launched.before_configure(config, RANK1)
+    assert launched.configure(config, role) is None
+    assert launched.too_late_hint(config) == ""
+
+
+def test_only_a_torchrun_rank_refuses_pytest_rerunfailures(pytester):
+    items = pytester.getitems("import pytest\n@pytest.mark.flaky(reruns=1)\ndef test_x(): pass\n")
+    LaunchedRank().before_ranks_connect(items)  # its parent reruns the test in a fresh rank set
+    with pytest.raises(pytest.UsageError, match="not under torchrun"):
+        TorchrunRank().before_ranks_connect(items)
+
+
+def test_only_a_rank_of_an_srun_step_ends_its_session_on_sigterm():
+    step = TorchrunEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launched_by="an srun step")
+    before = signal.getsignal(signal.SIGTERM)
+    assert LaunchedRank().install_signal_handlers(step) is None
+    assert TorchrunRank().install_signal_handlers(RANK1) is None  # torchrun's own: not srun
+    restore = TorchrunRank().install_signal_handlers(step)
+    assert restore is not None
+    try:
+        assert signal.getsignal(signal.SIGTERM) is not before
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is before
