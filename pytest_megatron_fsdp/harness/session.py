@@ -142,19 +142,6 @@ def _connect_store(torchrun: TorchrunEnv, timeout: datetime.timedelta) -> Any:
         ) from None
 
 
-def _abort_every_group() -> None:
-    """Close every process group's connections now. Destroying a group only drops the registry's
-    reference: one a failed test's traceback still holds (the frame of the collective it was
-    interrupted in) keeps its connections, and a peer waiting in a collective this rank never
-    entered waits on until the group's timeout (seen when a test timed out between two collectives
-    of a loop). Aborting closes them, so that peer fails at once."""
-    from torch.distributed import distributed_c10d
-
-    for group in list(distributed_c10d._world.pg_names):
-        with contextlib.suppress(Exception):  # a backend without abort, or one gone already
-            group.abort()
-
-
 def forget_dtensor_shardings() -> None:
     """Empty DTensor's sharding-propagation caches (this thread's): after every test and whenever the
     process group is rebuilt, so that no spec outlives the test whose meshes it names.
@@ -333,7 +320,6 @@ class RankSession:
                 # are in, or enter, now fails, and collectives_released() lets their teardowns know.
                 with contextlib.suppress(Exception):  # a store that is gone: the peers are gone too
                     self.store.set(f"released/{self.generation}", str(self.env.rank))
-                _abort_every_group()
                 dist.destroy_process_group()
 
     def collectives_released(self) -> bool:
