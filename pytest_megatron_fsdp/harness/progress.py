@@ -134,16 +134,18 @@ def decide(elapsed_s: float, timeout_s: float, quiet_s: float | None, hang_after
     """The verdict on a running test ``elapsed_s`` into it (None: it may go on).
 
     Hung before its timeout: no rank got anywhere for ``hang_after_s`` (when that is on). At its
-    timeout: hung where no rank got anywhere for the bound (or for the whole test, when that was
-    shorter), else too slow.
+    timeout: hung where no rank got anywhere for the bound or, in a test shorter than the bound,
+    for the second half of it (its setup's progress, a fresh rank set's start-up, counts for
+    nothing then), and at least two looks; else too slow.
     """
     if hang_after_s > 0 and quiet_s is not None and quiet_s >= hang_after_s and elapsed_s < timeout_s:
         return Verdict(True, elapsed_s, timeout_s, quiet_s, hang_after_s, before_timeout=True)
     if elapsed_s < timeout_s:
         return None
-    bound = min(hang_after_s, elapsed_s) if hang_after_s > 0 else elapsed_s
-    # a look's length of slack: the last look may be up to one interval old
-    hung = quiet_s is not None and quiet_s >= bound - LOOK_INTERVAL_S
+    window = max(elapsed_s / 2, 2 * LOOK_INTERVAL_S)
+    if hang_after_s > 0:
+        window = min(window, hang_after_s)
+    hung = quiet_s is not None and quiet_s >= window
     return Verdict(hung, elapsed_s, timeout_s, quiet_s, hang_after_s, before_timeout=False)
 
 

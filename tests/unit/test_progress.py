@@ -94,6 +94,22 @@ def test_at_a_timeout_shorter_than_the_bound_a_test_that_never_progressed_is_hun
     assert not verdict.before_timeout
 
 
+def test_at_a_short_timeout_the_setup_s_progress_does_not_make_a_hang_slow():
+    # a 6 s test whose fixtures got somewhere in its first 2 s, then nothing
+    verdict = progress.decide(elapsed_s=6, timeout_s=6, quiet_s=4, hang_after_s=60)
+    assert verdict is not None
+    assert verdict.hung
+    slow = progress.decide(elapsed_s=6, timeout_s=6, quiet_s=1, hang_after_s=60)
+    assert slow is not None
+    assert not slow.hung
+
+
+def test_a_long_test_quiet_for_less_than_the_bound_at_its_timeout_is_too_slow():
+    verdict = progress.decide(elapsed_s=300, timeout_s=300, quiet_s=50, hang_after_s=60)
+    assert verdict is not None
+    assert not verdict.hung
+
+
 def test_the_bound_off_leaves_the_timeout_alone():
     assert progress.decide(elapsed_s=200, timeout_s=300, quiet_s=200, hang_after_s=0) is None
     verdict = progress.decide(elapsed_s=300, timeout_s=300, quiet_s=300, hang_after_s=0)
