@@ -11,7 +11,10 @@ those calls as one GPU per local rank would, each line for the upstream call tha
 * ``init_process_group(backend="nccl" | None | "cpu:gloo,cuda:nccl")``, ``new_group(backend="nccl",
   pg_options=<NCCL options>)`` (also the names ``torch.distributed.device_mesh`` binds): gloo, the
   NCCL options dropped, a CUDA ``device_id`` dropped, the timeout capped (a rank that failed must
-  not leave its peers in gloo's 30-minute default);
+  not leave its peers in gloo's 30-minute default); each group ``new_group`` makes recorded
+  (:func:`made_groups`: the rank session frees it when its test or fixture is over), and
+  ``init_process_group`` for the world the default group already spans uses that group (the rank
+  session makes it before the tests; the suite's own first call would make it on GPUs);
 * ``barrier(device_ids=[...])``: the device ids dropped (a gloo barrier takes none);
 * ``torch.cuda.device_count()`` and ``torch.accelerator.device_count()``: the local world size (so
   ``local_rank % device_count()`` is the local rank), ``torch.cuda.default_generators`` one CPU
@@ -41,8 +44,9 @@ import torch.distributed.device_mesh as _device_mesh
 import torch.distributed.distributed_c10d as _c10d
 
 from . import cuda_emulation
+from .made_groups import MadeGroups
 
-__all__ = ["EMULATED_CAPABILITY", "disable", "enable", "is_enabled"]
+__all__ = ["EMULATED_CAPABILITY", "disable", "enable", "is_enabled", "made_groups"]
 
 #: the compute capability the emulated devices report: an A100's (no FP8 or MXFP8 paths)
 EMULATED_CAPABILITY = (8, 0)
@@ -63,14 +67,21 @@ def _capped(timeout: Any, cap_s: float) -> datetime.timedelta:
     return cap if timeout is None or timeout > cap else timeout
 
 
-def _on_gloo(original: Callable[..., Any], cap_s: float) -> Callable[..., Any]:
+def _on_gloo(original: Callable[..., Any], cap_s: float, made: MadeGroups) -> Callable[..., Any]:
     """``original`` (``init_process_group`` or ``new_group``) making a gloo group where NCCL was
-    asked for (its NCCL options and CUDA device dropped), its timeout at most ``cap_s``."""
+    asked for (its NCCL options and CUDA device dropped), its timeout at most ``cap_s``; each group
+    ``new_group`` makes is recorded in ``made``. ``init_process_group`` for the world the rank
+    session's default group already spans (no other rank or world size asked for) uses that group:
+    the suite's first call makes its default group under torchrun, where the rank session made one
+    before the tests."""
     signature = inspect.signature(original)
+    makes_default = original.__name__ == "init_process_group"
 
     def on_gloo(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
         given = bound.arguments
+        if makes_default and _dist.is_initialized() and _same_world(given):
+            return None
         if _is_gloo_able(given.get("backend")):
             given["backend"] = "gloo"
             given.pop("pg_options", None)
@@ -79,11 +90,24 @@ def _on_gloo(original: Callable[..., Any], cap_s: float) -> Callable[..., Any]:
             given.pop("device_id")
         if "timeout" in signature.parameters:
             given["timeout"] = _capped(given.get("timeout"), cap_s)
-        return original(*bound.args, **bound.kwargs)
+        group = original(*bound.args, **bound.kwargs)
+        if not makes_default:
+            made.record(group)
+        return group
 
     on_gloo.__name__ = on_gloo.__qualname__ = original.__name__
     on_gloo.__doc__ = original.__doc__
     return on_gloo
+
+
+def _same_world(given: dict[str, Any]) -> bool:
+    """Whether an ``init_process_group`` call asks for the world the default group spans (a rank
+    and world size left to the environment, or equal to the group's)."""
+    return given.get("rank", -1) in (-1, None, _dist.get_rank()) and given.get("world_size", -1) in (
+        -1,
+        None,
+        _dist.get_world_size(),
+    )
 
 
 def _without_device_ids(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -184,6 +208,8 @@ class _ForeignLayer:
     def __init__(self, devices: _Devices, pg_timeout_s: float) -> None:
         self.devices = devices
         self.pg_timeout_s = pg_timeout_s
+        #: the groups the patched group-making functions made (freed by the rank session)
+        self.made = MadeGroups()
         self._patches = cuda_emulation.PatchSet()
         self._patch = self._patches.patch
 
@@ -225,7 +251,7 @@ class _ForeignLayer:
         for owner in (_dist, _c10d, _device_mesh):
             for name in ("init_process_group", "new_group"):
                 if name in owner.__dict__:
-                    self._patch(owner, name, _on_gloo(owner.__dict__[name], self.pg_timeout_s))
+                    self._patch(owner, name, _on_gloo(owner.__dict__[name], self.pg_timeout_s, self.made))
         for owner in (_dist, _c10d):
             self._patch(owner, "barrier", _without_device_ids(owner.__dict__["barrier"]))
 
@@ -260,3 +286,8 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return _active is not None
+
+
+def made_groups() -> MadeGroups | None:
+    """The process groups made through the layer's functions so far (None while it is off)."""
+    return _active.made if _active is not None else None

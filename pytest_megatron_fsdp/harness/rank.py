@@ -111,10 +111,13 @@ class RankRunner:
         distributed_logs: bool = False,
         private_temp: Path | None = None,
         hang_after_s: float = 0.0,
+        release_test_groups: Callable[[], int] | None = None,
     ) -> None:
         """``default_timeout``: the timeout of a test neither the parent's batch nor its marker
         gives one (a test without the marker in a torchrun rank session); ``hang_after_s``: seconds
-        without progress on any rank after which a test is hung (0: only its timeout ends it)."""
+        without progress on any rank after which a test is hung (0: only its timeout ends it);
+        ``release_test_groups``: a foreign suite's (see :meth:`review_report`), what frees the
+        process groups the current test made, returning how many were alive."""
         self.config = config
         self.torchrun = torchrun
         self.rank = torchrun.rank
@@ -145,6 +148,7 @@ class RankRunner:
         #: set when a peer never came back from a timeout: rank 0 tells it once the session is
         #: reported (at unconfigure), so that its end cannot stop rank 0 first
         self._stuck_peer_session: RankSession | None = None
+        self._release_test_groups = release_test_groups
 
     def open_log(self, config: pytest.Config) -> None:
         """The rank's log, fault handlers and event stream; its terminal report to the log where
@@ -348,6 +352,8 @@ class RankRunner:
                     self._log_merged(item, merged)
                     self._report_not_run(item, explain.not_run(item.nodeid, exc.rank))
                     return True
+        for line in rank_session.run_after_agreement():
+            self._log(f"after {item.nodeid}: {line}")
         self._log_merged(item, merged)
         return True
 
@@ -497,10 +503,21 @@ class RankRunner:
             )
             self.log.flush()
         if rank_session is not None and (report.failed or (report.skipped and report.when == "call")):
-            # Peers may be waiting in a collective this rank will never enter: let them fail now
-            # rather than wait out the process-group timeout. The group is rebuilt after the test.
+            in_collective = call.excinfo is not None and _raised_in_torch_distributed(call.excinfo)
             if call.excinfo is not None:
                 _drop_locals(call.excinfo.tb)
+            if self._release_test_groups is not None and not in_collective and not self._interrupt.fired:
+                # A foreign suite's test that failed outside a collective, not at its timeout: a
+                # peer waiting in one waits on a group this test made (freed now), or on a group
+                # that outlives the test (the default group, a class-scoped fixture's, which the
+                # rest of its scope uses): those stay, as no collective of theirs broke here. A skip
+                # releases nothing.
+                if report.failed:
+                    freed = self._release_test_groups()
+                    self._log(f"{item.nodeid}: released the {freed} process groups the test made")
+                return report
+            # Peers may be waiting in a collective this rank will never enter: let them fail now
+            # rather than wait out the process-group timeout. The group is rebuilt after the test.
             rank_session.release_peers()
             self._released = True
         return report
@@ -734,7 +751,9 @@ class RankRunner:
         """Exchange every rank's phase outcomes (and warnings) through the store; return the agreed
         reports (the warnings, merged, go to ``self._test_warnings``)."""
         mine = {r.when: summarise(r) for r in reports}
-        released, self._released = self._released, False
+        # a test that destroyed the session's default group (or replaced it): every rank renews it
+        released = self._released or not rank_session.holds_default_group()
+        self._released = False
         # Bounded by the test's own deadline, past which the watchdog ends a launched rank anyway.
         # A rank that survives its timeouts waits as long past it as a peer's watchdog gives that
         # peer to come back from the timeout (a fresh bound where the test timed out); a peer that

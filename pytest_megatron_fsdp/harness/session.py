@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,6 +245,9 @@ class RankSession:
         self.store = harness_store
         self._on_release: list[Callable[[], None]] = []
         self._after_test: list[Callable[[], str | None]] = []
+        self._after_agreement: list[Callable[[], str | None]] = []
+        #: the default group this session made (weakly: a reference would keep its connections)
+        self._default_group: weakref.ref[Any] | None = None
         #: puts torch's group-creation helper back (see bound_group_timeouts)
         self._unbound_group_timeouts = bound_group_timeouts(pg_timeout)
         #: this rank's progress and sign of life in the store, every rank's read back (a hang is
@@ -281,6 +285,24 @@ class RankSession:
         checks, self._after_test = self._after_test, []
         return [problem for check in checks if (problem := check())]
 
+    def after_agreement(self, callback: Callable[[], str | None]) -> None:
+        """Call ``callback`` after every test, once the ranks agreed on its outcome (and renewed the
+        process group where they had to): on every rank alike, no collective in flight. A line it
+        returns goes to the rank's log."""
+        self._after_agreement.append(callback)
+
+    def run_after_agreement(self) -> list[str]:
+        """The lines of the :meth:`after_agreement` callbacks for the test just agreed."""
+        return [line for callback in self._after_agreement if (line := callback())]
+
+    def holds_default_group(self) -> bool:
+        """Whether the default process group is still the one this session made (a test may have
+        destroyed it, or destroyed it and made one of its own)."""
+        import torch.distributed as dist
+
+        made = self._default_group() if self._default_group is not None else None
+        return made is not None and dist.is_initialized() and dist.group.WORLD is made
+
     def _release_dependents(self) -> None:
         for callback in reversed(self._on_release):
             callback()
@@ -300,6 +322,7 @@ class RankSession:
             timeout=self._pg_timeout,
             **kwargs,
         )
+        self._default_group = weakref.ref(dist.group.WORLD)
 
     def release_peers(self) -> None:
         """Tear this rank's process group down now, after a local failure.

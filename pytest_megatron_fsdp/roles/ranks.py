@@ -6,6 +6,7 @@ and owns every pytest hook of a rank: the platform, the rank session, the hooks 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Callable, Generator
@@ -17,6 +18,7 @@ import pytest
 from .. import cpu_mode, options
 from ..fsdp import gpu_only, versions
 from ..harness import owned_temp, protocol
+from ..harness.made_groups import MadeGroups
 from ..harness.platform import select_platform
 from ..harness.rank import RankDuties, RankRunner
 from ..harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
@@ -91,12 +93,20 @@ class RankPlugin(RolePlugin):
     NAME = "mfsdp-rank"
 
     def __init__(
-        self, config: pytest.Config, torchrun: TorchrunEnv, kind: RankKind, runner: RankRunner
+        self,
+        config: pytest.Config,
+        torchrun: TorchrunEnv,
+        kind: RankKind,
+        runner: RankRunner,
+        made_groups: MadeGroups | None = None,
     ) -> None:
         self.config = config
         self.torchrun = torchrun
         self.kind = kind
         self.runner = runner
+        #: a foreign suite's process groups, each freed when its test or fixture is over (None:
+        #: not in foreign-suite mode on CPU ranks)
+        self.made_groups = made_groups
         self._restore_signals: Callable[[], None] | None = None
 
     @classmethod
@@ -156,6 +166,7 @@ class RankPlugin(RolePlugin):
         """The rank's plugin with its runner (:meth:`create` without the kind's say)."""
         assert role.torchrun is not None
         kind = KINDS[role.role]
+        made = _made_groups(config)
         runner = RankRunner(
             config,
             role.torchrun,
@@ -168,8 +179,11 @@ class RankPlugin(RolePlugin):
             distributed_logs=values.distributed_logs,
             private_temp=config.stash.get(RANK_TEMP, None),
             hang_after_s=values.hang_after,
+            release_test_groups=None
+            if made is None
+            else functools.partial(made.release_test_groups, _destroy_group),
         )
-        return cls(config, role.torchrun, kind, runner)
+        return cls(config, role.torchrun, kind, runner, made)
 
     def registered(self) -> None:
         self._restore_signals = self.kind.install_signal_handlers(self.torchrun)
@@ -214,6 +228,8 @@ class RankPlugin(RolePlugin):
             cpu_speed=(values.cpu_speed, values.source_of("cpu-speed")),
         )
         config.stash[RANK_SESSION] = rank_session
+        if self.made_groups is not None:  # a foreign suite's groups go when what made them is over
+            rank_session.after_agreement(functools.partial(_free_after_test, self.made_groups))
         self.runner.check_same_collection(session, rank_session)
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None and self.torchrun.rank == 0:
@@ -232,6 +248,20 @@ class RankPlugin(RolePlugin):
     @pytest.hookimpl(optionalhook=True)
     def pytest_timeout_cancel_timer(self, item: Any) -> bool | None:
         return True if self.runner.times_its_tests() else None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(
+        self, fixturedef: pytest.FixtureDef[Any], request: Any
+    ) -> Generator[None, Any, Any]:
+        made = self.made_groups
+        if made is None or fixturedef.scope == "function":
+            return (yield)
+        with made.owned_by(fixturedef):  # its groups outlive the test: freed when it ends
+            return (yield)
+
+    def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any], request: Any) -> None:
+        if self.made_groups is not None:
+            self.made_groups.owner_done(fixturedef)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
@@ -301,7 +331,33 @@ def _timeout_without_the_marker(item: pytest.Item) -> float:
 
 
 def _needs_rank_session(session: pytest.Session) -> bool:
+    """Whether a collected test runs with the other ranks: one with the distributed marker, or in
+    foreign-suite mode any test (a test of the session's world size), unless marked skip."""
+    foreign = options.session_values(session.config).foreign_suite
     return any(
-        protocol.spec_of(item) is not None and not any(m.name == "skip" for m in item.iter_markers())
+        (foreign or protocol.spec_of(item) is not None)
+        and not any(m.name == "skip" for m in item.iter_markers())
         for item in session.items
     )
+
+
+def _made_groups(config: pytest.Config) -> MadeGroups | None:
+    """The process groups a foreign suite's tests make (None: not in foreign-suite mode on CPU
+    ranks, where the layer that records them is off; :meth:`RankPlugin.prepare` turned it on)."""
+    choice = config.stash.get(PLATFORM, None)
+    if choice is None or choice.platform != "cpu" or not options.value_of(config, "foreign-suite").value:
+        return None
+    from ..harness import foreign_emulation
+
+    return foreign_emulation.made_groups()
+
+
+def _free_after_test(made: MadeGroups) -> str | None:
+    freed = made.free_after_test(_destroy_group)
+    return f"freed {freed} process groups made by the test or its ended fixtures" if freed else None
+
+
+def _destroy_group(group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)

@@ -4,6 +4,8 @@ plain pytest refuses the option in one line."""
 
 from __future__ import annotations
 
+import pytest
+
 # A suite as Megatron-LM's unit tests are written: its own process group, NCCL, set_device by
 # local rank, barriers with device ids; no marker, no fixture of the plugin.
 GPU_SUITE = """
@@ -119,3 +121,169 @@ def test_what_needs_a_gpu_only_cause_is_a_skip_naming_it(inner_session):
     assert "SKIPPED [1] test_fusion.py:2: GPU-only: Transformer Engine" in lines
     assert "SKIPPED [1] test_needs_te.py:1: GPU-only: Transformer Engine" in lines
     assert "FAILED test_fusion.py::test_a_real_failure" in scenario.out
+
+
+# -- one outcome per test, the groups a test makes freed -------------------------------------------
+
+# A GPU-written suite as Megatron-LM's: a function-scoped fixture that makes the default group where
+# there is none and ends with a barrier, groups made by tests and by setup_class, groups nobody frees.
+AGREEING_SUITE = """
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+STATE = {}  # as Megatron's model-parallel state: each test's groups replace the last test's
+
+
+@pytest.fixture(autouse=True)
+def distributed_setup():
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl")
+    yield
+    if dist.is_initialized():
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+
+
+def note(name, value):
+    with open(f"{name}-rank{dist.get_rank()}.txt", "a") as notes:
+        notes.write(f"{value}\\n")
+
+
+def test_rank1_fails_while_rank0_waits_on_a_group_the_test_made():
+    group = dist.new_group(backend="nccl")
+    tensor = torch.ones(2, device="cuda")
+    if dist.get_rank() == 1:
+        time.sleep(1)
+        raise AssertionError("rank 1 found a wrong value")
+    started = time.monotonic()
+    try:
+        dist.all_reduce(tensor, group=group)
+    finally:
+        note("waited", f"{time.monotonic() - started:.1f}")
+
+
+def test_the_next_test_runs_with_every_rank():
+    group = dist.new_group(backend="nccl")
+    tensor = torch.ones(2, device="cuda")
+    dist.all_reduce(tensor, group=group)
+    assert tensor.tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_makes_groups_and_never_frees_them(n):
+    note("threads", len(os.listdir("/proc/self/task")))
+    STATE["groups"] = [dist.new_group(backend="nccl") for _ in range(4)]
+    for group in STATE["groups"]:
+        dist.barrier(group=group)
+
+
+class TestAClassScopedGroup:
+    @classmethod
+    def setup_class(cls):
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl")
+        cls.group = dist.new_group(backend="nccl")
+
+    def test_rank1_fails_outside_a_collective(self):
+        dist.barrier(group=self.group)
+        assert dist.get_rank() == 0, "rank 1 disagrees"
+
+    def test_the_class_group_outlives_that_failure(self):
+        tensor = torch.ones(2, device="cuda")
+        dist.all_reduce(tensor, group=self.group)
+        assert tensor.tolist() == [2.0, 2.0]
+
+
+def test_the_class_group_went_with_its_class():
+    from torch.distributed.distributed_c10d import _world
+
+    assert TestAClassScopedGroup.group not in _world.pg_map
+
+
+@pytest.mark.timeout(4)
+def test_sleeps_past_its_timeout():
+    time.sleep(60)
+
+
+def test_after_the_timeout():
+    tensor = torch.ones(2, device="cuda")
+    dist.all_reduce(tensor)
+    assert tensor.tolist() == [2.0, 2.0]
+
+
+def test_destroys_the_default_group():
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_finds_a_default_group_again():
+    assert dist.is_initialized()  # before any init of its own (its fixture ran before it)
+    tensor = torch.ones(2, device="cuda")
+    dist.all_reduce(tensor)
+    assert tensor.tolist() == [2.0, 2.0]
+"""
+
+
+@pytest.fixture(scope="module")
+def agreeing(run_scenario):
+    return run_scenario(
+        "agreeing",
+        {"test_agreeing.py": AGREEING_SUITE},
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        "-p",
+        "no:randomly",
+        "-rA",
+        "--mfsdp-log-dir=logs",
+        torchrun=True,
+        timeout=240,
+    )
+
+
+def _notes(scenario, name, rank):
+    return (scenario.path / f"{name}-rank{rank}.txt").read_text().split()
+
+
+def test_each_test_has_one_outcome_on_every_rank(agreeing):
+    outcomes = {
+        line.split(" ", 1)[1].split(" - ")[0]
+        for line in agreeing.out.splitlines()
+        if line.startswith("FAILED ")
+    }
+    assert outcomes == {
+        "test_agreeing.py::test_rank1_fails_while_rank0_waits_on_a_group_the_test_made",
+        "test_agreeing.py::TestAClassScopedGroup::test_rank1_fails_outside_a_collective",
+        "test_agreeing.py::test_sleeps_past_its_timeout",
+    }, agreeing.out[-3000:]
+    agreeing.result.assert_outcomes(failed=3, passed=12)
+    # rank 0 passed the class test on its own: the agreed failure is rank 1's, with its own text
+    assert "failed on rank 1 (passed on 0)" in agreeing.out
+    assert "AssertionError: rank 1 disagrees" in agreeing.out
+    assert agreeing.leftovers == []
+
+
+def test_a_failure_on_one_rank_releases_the_peer_waiting_on_a_group_the_test_made(agreeing):
+    (waited,) = _notes(agreeing, "waited", 0)
+    assert float(waited) < 20  # not the process-group timeout (120 s): rank 1's release ended it
+    section = agreeing.out.split("test_rank1_fails_while_rank0_waits_on_a_group_the_test_made ___")[1]
+    assert "failed on ranks 0, 1" in section.split("\n", 2)[1], section[:300]
+    assert "AssertionError: rank 1 found a wrong value" in section.split("\n_____")[0]
+
+
+def test_groups_nobody_frees_are_freed_after_their_test(agreeing):
+    for rank in (0, 1):
+        threads = [int(n) for n in _notes(agreeing, "threads", rank)]
+        assert len(threads) == 6
+        # the first holds the groups of the test before; each test's 4 groups hold threads of their own
+        assert max(threads[1:]) <= threads[1] + 1, threads
+
+
+def test_a_timeout_fails_the_test_on_every_rank_and_the_session_goes_on(agreeing):
+    section = agreeing.out.split("test_sleeps_past_its_timeout ___")[1]
+    assert "failed on ranks 0, 1" in section.split("\n", 2)[1], section[:300]
+    assert "MFSDP-TIMEOUT: test_agreeing.py::test_sleeps_past_its_timeout exceeded its 4 s timeout" in section
+    assert "PASSED test_agreeing.py::test_after_the_timeout" in agreeing.out.splitlines()
