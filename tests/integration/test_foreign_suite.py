@@ -205,8 +205,10 @@ def test_the_class_group_went_with_its_class():
 
 
 @pytest.mark.timeout(4)
-def test_sleeps_past_its_timeout():
-    time.sleep(60)
+def test_rank1_sleeps_past_its_timeout_while_rank0_waits_on_the_default_group():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    dist.all_reduce(torch.ones(2, device="cuda"))
 
 
 def test_after_the_timeout():
@@ -257,7 +259,7 @@ def test_each_test_has_one_outcome_on_every_rank(agreeing):
     assert outcomes == {
         "test_agreeing.py::test_rank1_fails_while_rank0_waits_on_a_group_the_test_made",
         "test_agreeing.py::TestAClassScopedGroup::test_rank1_fails_outside_a_collective",
-        "test_agreeing.py::test_sleeps_past_its_timeout",
+        "test_agreeing.py::test_rank1_sleeps_past_its_timeout_while_rank0_waits_on_the_default_group",
     }, agreeing.out[-3000:]
     agreeing.result.assert_outcomes(failed=3, passed=12)
     # rank 0 passed the class test on its own: the agreed failure is rank 1's, with its own text
@@ -283,7 +285,8 @@ def test_groups_nobody_frees_are_freed_after_their_test(agreeing):
 
 
 def test_a_timeout_fails_the_test_on_every_rank_and_the_session_goes_on(agreeing):
-    section = agreeing.out.split("test_sleeps_past_its_timeout ___")[1]
+    name = "test_rank1_sleeps_past_its_timeout_while_rank0_waits_on_the_default_group"
+    section = agreeing.out.split(f"{name} ___")[1]
     assert "failed on ranks 0, 1" in section.split("\n", 2)[1], section[:300]
-    assert "MFSDP-TIMEOUT: test_agreeing.py::test_sleeps_past_its_timeout exceeded its 4 s timeout" in section
+    assert f"MFSDP-TIMEOUT: test_agreeing.py::{name} exceeded its 4 s timeout" in section
     assert "PASSED test_agreeing.py::test_after_the_timeout" in agreeing.out.splitlines()

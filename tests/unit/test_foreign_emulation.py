@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pytest_megatron_fsdp.harness import cuda_emulation, foreign_emulation
+from pytest_megatron_fsdp.harness.made_groups import MadeGroups
 
 
 @pytest.fixture(autouse=True)
@@ -116,6 +117,27 @@ def test_backend_left_to_torch_is_gloo_too(foreign, one_rank_group):
     assert dist.get_backend() == "gloo"
 
 
+def test_the_default_group_serves_the_suites_own_init_for_the_same_world(foreign, one_rank_group):
+    dist.init_process_group("gloo", init_method=one_rank_group, rank=0, world_size=1)  # the rank session's
+    world = dist.group.WORLD
+    dist.init_process_group(backend="nccl")  # the suite's first call, as under torchrun
+    dist.init_process_group(backend="nccl", rank=0, world_size=1)
+    assert dist.group.WORLD is world
+    with pytest.raises(ValueError, match="twice"):  # another world: torch's own refusal
+        dist.init_process_group(backend="nccl", rank=0, world_size=2)
+
+
+def test_each_group_made_is_recorded_and_freed_with_its_test(foreign, one_rank_group):
+    dist.init_process_group("gloo", init_method=one_rank_group, rank=0, world_size=1)
+    made = foreign_emulation.made_groups()
+    assert made is not None
+    group = dist.new_group([0], backend="nccl")
+    assert made.alive() == 1
+    assert made.free_after_test(dist.destroy_process_group) == 1
+    with pytest.raises(ValueError, match="Invalid process group"):
+        dist.destroy_process_group(group)  # destroyed: torch no longer knows it
+
+
 def test_group_timeouts_are_capped_and_cuda_device_ids_dropped():
     calls = []
 
@@ -124,7 +146,7 @@ def test_group_timeouts_are_capped_and_cuda_device_ids_dropped():
             {"timeout": timeout, "backend": backend, "pg_options": pg_options, "device_id": device_id}
         )
 
-    patched = foreign_emulation._on_gloo(new_group, cap_s=60)
+    patched = foreign_emulation._on_gloo(new_group, cap_s=60, made=MadeGroups())
     patched([0, 1], backend="nccl", pg_options=object(), device_id=torch.device("cuda", 1))
     patched([0, 1], timeout=datetime.timedelta(seconds=5), backend="gloo")
     patched([0, 1], timeout=datetime.timedelta(minutes=30))
