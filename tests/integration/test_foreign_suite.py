@@ -141,6 +141,7 @@ STATE = {}  # as Megatron's model-parallel state: each test's groups replace the
 @pytest.fixture(autouse=True)
 def distributed_setup():
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    STATE["found_a_default_group"] = dist.is_initialized()
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl")
     yield
@@ -193,6 +194,7 @@ class TestAClassScopedGroup:
         assert dist.get_rank() == 0, "rank 1 disagrees"
 
     def test_the_class_group_outlives_that_failure(self):
+        assert dist.get_rank(group=self.group) == dist.get_rank()  # as Megatron asks its groups
         tensor = torch.ones(2, device="cuda")
         dist.all_reduce(tensor, group=self.group)
         assert tensor.tolist() == [2.0, 2.0]
@@ -223,7 +225,7 @@ def test_destroys_the_default_group():
 
 
 def test_finds_a_default_group_again():
-    assert dist.is_initialized()  # before any init of its own (its fixture ran before it)
+    assert STATE["found_a_default_group"]  # its fixture had none to make
     tensor = torch.ones(2, device="cuda")
     dist.all_reduce(tensor)
     assert tensor.tolist() == [2.0, 2.0]
