@@ -198,11 +198,12 @@ def refuse_flaky_condition(item: pytest.Item) -> None:
     )
 
 
-def refuse_rerunfailures_under_torchrun(items: list[pytest.Item]) -> None:
+def refuse_rerunfailures_under_torchrun(items: list[pytest.Item], refuse_flaky_marks: bool = True) -> None:
     """A torchrun-mode rank session runs every test under its watchdog, where pytest-rerunfailures
     never gets to rerun one (and a rerun would need a fresh process group): ``--reruns`` or
     ``--force-reruns`` given, or a collected test marked ``@pytest.mark.flaky``, is refused in one
-    line. Its ini ``reruns``, a standing setting, is not (it does not act there)."""
+    line. Its ini ``reruns``, a standing setting, is not (it does not act there), nor, with
+    ``refuse_flaky_marks`` False, a ``flaky`` mark (a foreign suite's own: the test runs once)."""
     if not items or not _active(items[0].config, RERUNFAILURES_PLUGIN):
         return
     config = items[0].config
@@ -214,7 +215,7 @@ def refuse_rerunfailures_under_torchrun(items: list[pytest.Item]) -> None:
         )
         if value
     ]
-    flaky = next((i for i in items if i.get_closest_marker("flaky") is not None), None)
+    flaky = next((i for i in items if refuse_flaky_marks and i.get_closest_marker("flaky") is not None), None)
     if flaky is not None:
         given.append(f"@pytest.mark.flaky on {flaky.nodeid}")
     if given:

@@ -219,6 +219,11 @@ def test_after_the_timeout():
     assert tensor.tolist() == [2.0, 2.0]
 
 
+@pytest.mark.flaky(reruns=2)  # the suite's own mark: the test runs once, the session is not refused
+def test_marked_flaky():
+    pass
+
+
 def test_destroys_the_default_group():
     dist.barrier()
     dist.destroy_process_group()
@@ -263,7 +268,7 @@ def test_each_test_has_one_outcome_on_every_rank(agreeing):
         "test_agreeing.py::TestAClassScopedGroup::test_rank1_fails_outside_a_collective",
         "test_agreeing.py::test_rank1_sleeps_past_its_timeout_while_rank0_waits_on_the_default_group",
     }, agreeing.out[-3000:]
-    agreeing.result.assert_outcomes(failed=3, passed=12)
+    agreeing.result.assert_outcomes(failed=3, passed=13)
     # rank 0 passed the class test on its own: the agreed failure is rank 1's, with its own text
     assert "failed on rank 1 (passed on 0)" in agreeing.out
     assert "AssertionError: rank 1 disagrees" in agreeing.out
