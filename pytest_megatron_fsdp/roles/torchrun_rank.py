@@ -114,7 +114,9 @@ class TorchrunRank:
         return given
 
     def before_ranks_connect(self, items: list[pytest.Item]) -> None:
-        coexist.refuse_rerunfailures_under_torchrun(items)
+        # a foreign suite's own flaky marks are the suite's, unchanged: such a test runs once
+        foreign = bool(items) and options.session_values(items[0].config).foreign_suite
+        coexist.refuse_rerunfailures_under_torchrun(items, refuse_flaky_marks=not foreign)
 
     def install_signal_handlers(self, torchrun: TorchrunEnv) -> Callable[[], None] | None:
         if torchrun.launched_by and threading.current_thread() is threading.main_thread():
