@@ -287,8 +287,8 @@ def test_groups_nobody_frees_are_freed_after_their_test(agreeing):
     for rank in (0, 1):
         threads = [int(n) for n in _notes(agreeing, "threads", rank)]
         assert len(threads) == 6
-        # the first holds the groups of the test before; each test's 4 groups hold threads of their own
-        assert max(threads[1:]) <= threads[1] + 1, threads
+        # the first counts no groups of the test before; unfreed, each test's 4 groups add 8 threads
+        assert max(threads[1:]) <= threads[1] + 3, threads
 
 
 def test_a_timeout_fails_the_test_on_every_rank_and_the_session_goes_on(agreeing):
