@@ -75,9 +75,16 @@ def parse(item: pytest.Item) -> DistributedSpec | None:
         raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
 
 
-def stash_specs(items: list[pytest.Item]) -> None:
-    """Parse every collected test's marker once, into its stash."""
+def stash_specs(items: list[pytest.Item], unmarked_world_size: int | None = None) -> None:
+    """Parse every collected test's marker once, into its stash. ``unmarked_world_size``: a test
+    without the marker runs on that many ranks too (a foreign suite's, in plain mode), its timeout
+    and reruns by their options' chains as a marked test's."""
     for item in items:
         spec = parse(item)
+        if spec is None and unmarked_world_size is not None:
+            try:
+                spec = _spec(item, unmarked_world_size)
+            except (ValueError, options.OptionError) as exc:
+                raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
         if spec is not None:
             item.stash[SPEC] = spec

@@ -65,6 +65,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError("must be a whole number, 1 or more") from None
+    if value < 1:
+        raise ValueError("must be a whole number, 1 or more")
+    return value
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -203,9 +213,6 @@ class Option:
     #: why only the plain-mode parent acts on it (it launches the rank sets): given for the run
     #: (flag, environment) under torchrun it is refused; the ini key is a standing setting, unused there
     plain_mode_only: str | None = None
-    #: why only torchrun-mode ranks act on it: given for the run (flag, environment) to a plain
-    #: pytest session it is refused; the ini key is a standing setting, unused there
-    torchrun_only: str | None = None
 
     @property
     def flag(self) -> str:
@@ -306,7 +313,8 @@ OPTIONS: dict[str, Option] = {
                 DEFAULT,
             ),
             plain_mode_only="each attempt needs a fresh rank set, which only plain mode (pytest, not "
-            "torchrun) launches; a torchrun rank cannot restart its own process group",
+            "torchrun) launches; a torchrun rank cannot restart its own process group; run plain pytest "
+            "to rerun failed tests",
         ),
         Option(
             "only-rerun",
@@ -321,7 +329,7 @@ OPTIONS: dict[str, Option] = {
             multiple=True,
             chain=(MarkerKwarg(MARKER, "only_rerun"), *SESSION_CHAIN),
             plain_mode_only="it chooses which failures are rerun, and only plain mode (pytest, not "
-            "torchrun) reruns",
+            "torchrun) reruns; run plain pytest to rerun failed tests",
         ),
         Option(
             "log-dir",
@@ -387,15 +395,23 @@ OPTIONS: dict[str, Option] = {
         Option(
             "foreign-suite",
             "run a test suite written for GPUs that knows nothing of this plugin (Megatron-LM's own "
-            "unit tests) on CPU ranks under torchrun: over the CUDA emulation, NCCL groups become "
-            "gloo, each local rank gets a device of its own and torch.cuda.is_available() answers "
-            "True (torch-wide; docs/upstream-suites.md lists every change)",
+            "unit tests) on CPU ranks, each test on every rank (under torchrun: the session's; plain "
+            "pytest: rank sets of --mfsdp-foreign-world-size): over the CUDA emulation, NCCL groups "
+            "become gloo, each local rank gets a device of its own and torch.cuda.is_available() "
+            "answers True (torch-wide; docs/upstream-suites.md lists every change)",
             _boolean,
             False,
             "true|false",
-            torchrun_only="plain pytest runs a test without the distributed marker in its own "
-            "process, not on ranks: launch the suite with python -m torch.distributed.run "
-            "--nproc_per_node=N -m pytest",
+        ),
+        Option(
+            "foreign-world-size",
+            "plain mode: how many ranks each rank set has that runs a foreign suite's tests "
+            "(--mfsdp-foreign-suite; default 2)",
+            _positive_int,
+            2,
+            "N",
+            plain_mode_only="under torchrun a foreign suite's tests run on the session's own ranks "
+            "(--nproc_per_node)",
         ),
         Option(
             "report-json",
@@ -518,6 +534,7 @@ class SessionValues:
     distributed_logs: bool
     debug_collectives: bool
     foreign_suite: bool
+    foreign_world_size: int
     report_json: str | None
     #: absolute (relative ones are taken from the invocation directory)
     golden: str | None
@@ -637,26 +654,12 @@ def refuse_plain_mode_only(config: pytest.Config) -> None:
         if option.plain_mode_only is None:
             continue
         setting = value_of(config, option.name, chain=(COMMAND_LINE, ENVIRONMENT, DEFAULT))
-        if not setting.value:
+        if not setting.value or setting.source == DEFAULT.label(option):
             continue
         shown = ";".join(setting.value) if option.multiple else setting.value
         raise OptionError(
-            f"{option.where(setting.source)}={shown}: not under torchrun: {option.plain_mode_only}; "
-            "run plain pytest to rerun failed tests"
+            f"{option.where(setting.source)}={shown}: not under torchrun: {option.plain_mode_only}"
         )
-
-
-def refuse_torchrun_only(config: pytest.Config) -> None:
-    """In a plain pytest session: one usage line for a torchrun-only option given for this run
-    (flag or environment variable)."""
-    for option in OPTIONS.values():
-        if option.torchrun_only is None:
-            continue
-        setting = value_of(config, option.name, chain=(COMMAND_LINE, ENVIRONMENT, DEFAULT))
-        if setting.value:
-            raise OptionError(
-                f"{option.where(setting.source)}={setting.value}: only under torchrun: {option.torchrun_only}"
-            )
 
 
 def forwarded_args(config: pytest.Config, skip: tuple[str, ...] = ("platform", "log-dir")) -> list[str]:

@@ -63,7 +63,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    marker.stash_specs(items)  # a bad marker is a usage error, before any rank work
+    values = options.session_values(config)
+    # plain mode: a foreign suite's tests run in rank sets, as marked tests do (under torchrun they
+    # run on the session's own ranks, and a launched rank runs its parent's batch)
+    foreign = values.foreign_suite and roles.role_of(config).role is roles.Role.PARENT
+    # a bad marker is a usage error, before any rank work
+    marker.stash_specs(items, values.foreign_world_size if foreign else None)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -9,7 +9,7 @@ hook of the parent: the controller has none of its own.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, cast
 
 import pytest
@@ -20,6 +20,7 @@ from ..harness import cpu_probe, protocol
 from ..harness.controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from ..harness.explain import rerun_summary
 from ..harness.gpu_slices import GpuSliceError
+from . import gpu_only_skips
 from .deciding import PLUGINS, ProcessRole, Role, RolePlugin
 from .summary import show_summary
 
@@ -41,7 +42,6 @@ class ParentPlugin(RolePlugin):
 
     @classmethod
     def create(cls, config: pytest.Config, role: ProcessRole, values: options.SessionValues) -> ParentPlugin:
-        options.refuse_torchrun_only(config)
         return cls(config, options.forwarded_args(config), values.log_dir)
 
     def prestart(self, world_size: int) -> None:
@@ -70,6 +70,11 @@ class ParentPlugin(RolePlugin):
             return  # reported with every other marker at the end of collection
         assert spec is not None  # the marker is there
         self.prestart(spec.world_size)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector: pytest.Collector) -> Generator[None, Any, Any]:
+        report = yield
+        return gpu_only_skips.skip_collect_report(collector, report)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:

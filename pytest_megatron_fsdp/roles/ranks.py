@@ -22,6 +22,7 @@ from ..harness.made_groups import MadeGroups
 from ..harness.platform import select_platform
 from ..harness.rank import RankDuties, RankRunner
 from ..harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
+from . import gpu_only_skips
 from .deciding import PLATFORM, PLUGINS, ProcessRole, Role, RolePlugin
 from .summary import show_summary
 
@@ -282,13 +283,7 @@ class RankPlugin(RolePlugin):
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(self, collector: pytest.Collector) -> Generator[None, Any, Any]:
         report = yield
-        if report.failed and options.session_values(collector.config).foreign_suite:
-            # a foreign suite's module that imports what only a GPU has (pytest keeps the error as text)
-            cause = gpu_only.cause_in(report.longreprtext)
-            if cause is not None:
-                report.outcome = "skipped"
-                report.longrepr = (str(collector.path), 1, cause.reason())
-        return report
+        return gpu_only_skips.skip_collect_report(collector, report)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.runner.log_agreed(report)

@@ -1,6 +1,6 @@
 """``--mfsdp-foreign-suite``: a suite written for GPUs, knowing nothing of the plugin (NCCL asked
-for by name, one device per local rank, CUDA tensors), runs unchanged on CPU ranks under torchrun;
-plain pytest refuses the option in one line."""
+for by name, one device per local rank, CUDA tensors), runs unchanged on CPU ranks, under torchrun
+or in the rank sets plain pytest launches, each test with one outcome on every rank."""
 
 from __future__ import annotations
 
@@ -77,13 +77,30 @@ def test_without_the_option_the_same_suite_fails_for_want_of_a_gpu(inner_session
     ), scenario.out[-3000:]
 
 
-def test_plain_pytest_refuses_it_in_one_line(inner_session):
-    result = inner_session({"test_gpu_suite.py": GPU_SUITE}, "--mfsdp-foreign-suite=true", timeout=60).result
+def test_plain_pytest_runs_it_in_rank_sets_of_the_chosen_world_size(inner_session):
+    scenario = inner_session(
+        {"test_gpu_suite.py": GPU_SUITE.replace("== [3.0, 3.0, 3.0]", "== [6.0, 6.0, 6.0]")},
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        "--mfsdp-foreign-world-size=3",
+        timeout=240,
+    )
+    assert scenario.result.ret == 0, scenario.out[-3000:]
+    scenario.result.assert_outcomes(passed=2)  # 1 + 2 + 3 on three ranks
+    assert scenario.leftovers == []
+
+
+def test_a_bad_world_size_is_one_line_before_any_rank(inner_session):
+    result = inner_session(
+        {"test_gpu_suite.py": GPU_SUITE},
+        "--mfsdp-foreign-suite=true",
+        "--mfsdp-foreign-world-size=0",
+        timeout=60,
+    ).result
     assert result.ret == 4  # usage error, before any test
     result.stderr.fnmatch_lines(
-        ["ERROR: --mfsdp-foreign-suite=True: only under torchrun: plain pytest runs a test without the "
-         "distributed marker in its own process, not on ranks: launch the suite with python -m "
-         "torch.distributed.run --nproc_per_node=N -m pytest"]
+        ["ERROR: --mfsdp-foreign-world-size: invalid value '0' for --mfsdp-foreign-world-size: "
+         "must be a whole number, 1 or more"]
     )  # fmt: skip
 
 
@@ -105,7 +122,8 @@ def test_a_real_failure():
 """
 
 
-def test_what_needs_a_gpu_only_cause_is_a_skip_naming_it(inner_session):
+@pytest.mark.parametrize("torchrun", [True, False], ids=["torchrun", "plain"])
+def test_what_needs_a_gpu_only_cause_is_a_skip_naming_it(inner_session, torchrun):
     scenario = inner_session(
         {"test_needs_te.py": NEEDS_TE, "test_fusion.py": NEEDS_A_TE_FUSION},
         "--mfsdp-platform=cpu",
@@ -113,7 +131,7 @@ def test_what_needs_a_gpu_only_cause_is_a_skip_naming_it(inner_session):
         "-p",
         "no:cacheprovider",
         "-rfs",
-        torchrun=True,
+        torchrun=torchrun,
         timeout=240,
     )
     scenario.result.assert_outcomes(failed=1, skipped=2)
@@ -237,10 +255,12 @@ def test_finds_a_default_group_again():
 """
 
 
-@pytest.fixture(scope="module")
-def agreeing(run_scenario):
+@pytest.fixture(scope="module", params=["torchrun", "plain"])
+def agreeing(request, run_scenario):
+    """The suite under torchrun, and in the rank sets plain pytest launches (a rank that times out
+    ends there: the parent goes on in a fresh rank set)."""
     return run_scenario(
-        "agreeing",
+        f"agreeing-{request.param}",
         {"test_agreeing.py": AGREEING_SUITE},
         "--mfsdp-platform=cpu",
         "--mfsdp-foreign-suite=true",
@@ -248,7 +268,7 @@ def agreeing(run_scenario):
         "no:randomly",
         "-rA",
         "--mfsdp-log-dir=logs",
-        torchrun=True,
+        torchrun=request.param == "torchrun",
         timeout=240,
     )
 
@@ -294,6 +314,9 @@ def test_groups_nobody_frees_are_freed_after_their_test(agreeing):
 def test_a_timeout_fails_the_test_on_every_rank_and_the_session_goes_on(agreeing):
     name = "test_rank1_sleeps_past_its_timeout_while_rank0_waits_on_the_default_group"
     section = agreeing.out.split(f"{name} ___")[1]
-    assert "failed on ranks 0, 1" in section.split("\n", 2)[1], section[:300]
-    assert f"MFSDP-TIMEOUT: test_agreeing.py::{name} exceeded its 4 s timeout" in section
+    if agreeing.path.name.startswith("agreeing-torchrun"):  # the ranks interrupt the test and go on
+        assert "failed on ranks 0, 1" in section.split("\n", 2)[1], section[:300]
+        assert f"MFSDP-TIMEOUT: test_agreeing.py::{name} exceeded its 4 s timeout" in section
+    else:  # the parent ends the rank set and goes on in a fresh one
+        assert "timed out: the test exceeded its 4 s timeout" in section.split("\n", 2)[1], section[:300]
     assert "PASSED test_agreeing.py::test_after_the_timeout" in agreeing.out.splitlines()
