@@ -340,3 +340,18 @@ def test_only_rerun_given_for_a_torchrun_run_is_refused_in_one_line(pytester, mo
     pytester.makeini("[pytest]\nmfsdp_only_rerun = timeout\n")  # a standing setting: not used there
     monkeypatch.delenv("MFSDP_ONLY_RERUN")
     options.refuse_plain_mode_only(pytester.parseconfig())
+
+
+def test_the_foreign_world_size_is_refused_under_torchrun_only_where_given(pytester, monkeypatch):
+    from pytest_megatron_fsdp import options
+
+    options.refuse_plain_mode_only(pytester.parseconfig())  # its default (2) acts in plain mode only
+    with pytest.raises(options.OptionError) as refused:
+        options.refuse_plain_mode_only(pytester.parseconfig("--mfsdp-foreign-world-size=4"))
+    assert str(refused.value) == (
+        "--mfsdp-foreign-world-size=4: not under torchrun: under torchrun a foreign suite's tests run on "
+        "the session's own ranks (--nproc_per_node)"
+    )
+    monkeypatch.setenv("MFSDP_FOREIGN_WORLD_SIZE", "3")
+    with pytest.raises(options.OptionError, match="^environment variable MFSDP_FOREIGN_WORLD_SIZE=3: not under"):
+        options.refuse_plain_mode_only(pytester.parseconfig())
