@@ -353,5 +353,6 @@ def test_the_foreign_world_size_is_refused_under_torchrun_only_where_given(pytes
         "the session's own ranks (--nproc_per_node)"
     )
     monkeypatch.setenv("MFSDP_FOREIGN_WORLD_SIZE", "3")
-    with pytest.raises(options.OptionError, match="^environment variable MFSDP_FOREIGN_WORLD_SIZE=3: not under"):
+    given = r"^environment variable MFSDP_FOREIGN_WORLD_SIZE=3: not under torchrun"
+    with pytest.raises(options.OptionError, match=given):
         options.refuse_plain_mode_only(pytester.parseconfig())
