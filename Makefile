@@ -187,8 +187,8 @@ COVERED_FILES  := */megatron/core/distributed/fsdp/*,*/megatron_fsdp/*,*/megatro
 coverage: venv
 	@rm -rf $(COVERAGE_DIR)
 	@sources=$$($(PY) -c "import importlib.util as u, os; \
-		top = [u.find_spec(n) for n in ('megatron', 'megatron_fsdp')]; \
-		core = os.path.join(list(top[0].submodule_search_locations)[0], 'core'); \
+		top = [u.find_spec(n) for n in ('megatron.core', 'megatron_fsdp')]; \
+		core = list(top[0].submodule_search_locations)[0]; \
 		dirs = [os.path.join(core, 'distributed', 'fsdp'), os.path.join(core, 'optimizer')]; \
 		dirs += [list(top[1].submodule_search_locations)[0]] if top[1] else []; print(','.join(dirs))") && \
 	$(SCRATCH) $(PY) -m coverage run --source="$$sources" -m pytest $(COVERAGE_TESTS) $(PYTEST_ARGS); \
