@@ -292,6 +292,8 @@ class JunitResults:
     tests: dict[str, TestResult] = field(default_factory=dict)
     #: why the file could not be read (absent, cut short by a kill), None when it was
     problem: str | None = None
+    #: testcases without a name: an interrupted session writes one for the test it cut short
+    unnamed: int = 0
 
 
 def read_junit(path: Path, root: Path | None = None) -> JunitResults:
@@ -304,6 +306,9 @@ def read_junit(path: Path, root: Path | None = None) -> JunitResults:
         return JunitResults(problem=f"JUnit file unreadable ({error})")
     results = JunitResults()
     for case in tree.getroot().iter("testcase"):
+        if not case.get("name"):
+            results.unnamed += 1
+            continue
         file, nodeid = node_id(case, root)
         outcome, reason = outcome_of(case)
         try:
@@ -545,6 +550,8 @@ def heading(result: RunResult, parsed: JunitResults) -> str:
     else:
         state = f"DID NOT FINISH after {_seconds(result.wall_s)}: {result.stopped}"
     notes = [parsed.problem] if parsed.problem else []
+    if parsed.unnamed:
+        notes.append(f"{parsed.unnamed} testcase without a name (the test an interrupt cut short) left out")
     failures = any(test.outcome in ("failed", "error") for test in parsed.tests.values())
     if result.finished and result.status not in (0, 5) and not failures and not parsed.problem:
         notes.append("rank 0 reported no failure: another rank failed or the session broke (see the log)")
@@ -582,6 +589,7 @@ def summary(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, 
             "wall_limit_s": result.limit_s,
             "junit": str(result.junit),
             "junit_problem": parsed.problem,
+            "junit_unnamed": parsed.unnamed,
             "leftovers_killed": result.leftovers,
             "files": files,
             "totals": totals(files.values()),

@@ -352,6 +352,18 @@ def test_a_run_past_its_wall_limit_is_interrupted_and_its_junit_kept(tmp_path: P
     assert "DID NOT FINISH" in upstream.heading(result, parsed)
 
 
+def test_the_test_an_interrupt_cut_short_is_left_out_and_said(tmp_path: Path) -> None:
+    """pytest interrupted in a test writes a testcase with no name for it."""
+    cut = JUNIT.replace("</testsuite>", '<testcase time="0.001"></testcase></testsuite>')
+    parsed = upstream.read_junit(write(tmp_path / "ws2.xml", cut))
+    assert len(parsed.tests) == 8
+    assert parsed.unnamed == 1
+    stopped = _result(tmp_path, status=None, stopped="wall limit 1 s reached")
+    assert "; 1 testcase without a name (the test an interrupt cut short) left out" in upstream.heading(
+        stopped, parsed
+    )
+
+
 def _gone(pid: int, within_s: float = 5.0) -> bool:
     """Whether ``pid`` is dead (or a zombie) within ``within_s``: SIGKILL takes effect asynchronously."""
     deadline = time.monotonic() + within_s
