@@ -35,9 +35,10 @@ PYTHON311 := $(shell for p in python3.11 python3; do \
 
 STACK ?= $(if $(PYTHON312),newest,floor)
 # `make upstream MEGATRON_LM=PATH` runs that checkout's own tests against its own megatron-core (and its
-# standalone megatron-fsdp), in a venv of its own (.venv-<stack>-upstream) so that the stack's usual venv
-# is not rebuilt; MEGATRON_CORE and VENV still override either.
-ifneq ($(and $(filter upstream,$(MAKECMDGOALS)),$(strip $(MEGATRON_LM))),)
+# standalone megatron-fsdp), in a venv of its own (.venv-<stack>-upstream, which `make upstream-record
+# MEGATRON_LM=PATH` uses too) so that the stack's usual venv is not rebuilt; MEGATRON_CORE and VENV still
+# override either.
+ifneq ($(and $(filter upstream upstream-record,$(MAKECMDGOALS)),$(strip $(MEGATRON_LM))),)
 MEGATRON_CORE ?= -e $(patsubst %/,%,$(strip $(MEGATRON_LM)))
 VENV          ?= .venv-$(STACK)-upstream
 endif

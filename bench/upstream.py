@@ -509,13 +509,18 @@ def stack(runs: Sequence[Run]) -> dict[str, Any]:
     }
 
 
-def describe_stack(facts: dict[str, Any]) -> str:
-    """One line: the checkouts (commit and date, or no git), the packages, the CPU."""
+def describe_stack(facts: dict[str, Any], paths: bool = True) -> str:
+    """One line: the checkouts (commit and date, or no git; with their paths, or not), the packages,
+    the CPU."""
     parts = []
     for variable, checkout_facts in facts["checkouts"].items():
         git = checkout_facts["git"]
         where = f"{git['commit'][:10]} of {git['date']}" if git else "no git commit"
-        parts.append(f"{variable}={checkout_facts['path']} ({where})")
+        parts.append(
+            f"{variable}={checkout_facts['path']} ({where})"
+            if paths
+            else f"the {variable} checkout ({where})"
+        )
     parts.append(f"Python {facts['python']}")
     parts += [f"{name} {version}" for name, version in facts["packages"].items()]
     cpu = facts["cpu"]
