@@ -409,25 +409,20 @@ def kill_all(processes: dict[int, str]) -> int:
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float) -> str:
     """End a run: SIGINT to the torchrun agent (it passes it on; pytest writes its JUnit file), then
-    after ``grace_s`` SIGKILL to the agent's session and every descendant it started, also those in
-    sessions of their own. Says how it ended."""
-    seen = descendants(proc.pid)
+    after ``grace_s`` SIGKILL to the agent's session. The ranks are in sessions of their own: the
+    caller kills what is left of them. Says how it ended."""
     try:
         os.kill(proc.pid, signal.SIGINT)
         proc.wait(timeout=grace_s)
-        how = f"interrupted (SIGINT), ended within {grace_s:g} s"
+        return f"interrupted (SIGINT), ended within {grace_s:g} s"
     except subprocess.TimeoutExpired:
-        seen |= descendants(proc.pid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        kill_all(seen)
         proc.wait()
-        how = f"interrupted (SIGINT), still running after {grace_s:g} s: killed (SIGKILL)"
+        return f"interrupted (SIGINT), still running after {grace_s:g} s: killed (SIGKILL)"
     except ProcessLookupError:
         proc.wait()
-        how = "ended as it was interrupted"
-    kill_all(seen)
-    return how
+        return "ended as it was interrupted"
 
 
 def execute(
@@ -462,6 +457,7 @@ def execute(
                     if remaining <= 0:
                         stopped = f"wall limit {wall_s:g} s reached: {stop(proc, grace_s)}"
         except BaseException:  # interrupted (Ctrl-C, SIGTERM): no rank left behind
+            seen |= descendants(proc.pid)
             stop(proc, grace_s)
             kill_all(seen)
             raise

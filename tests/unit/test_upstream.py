@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -126,6 +127,14 @@ def test_a_junit_file_without_file_attributes_is_resolved_against_the_checkout(t
     ]
     # without the checkout: the names before the first capitalised one (a class) make the file
     assert next(iter(upstream.read_junit(junit).tests)) == "tests/unit/test_x.py::TestC::test_y[a.b]"
+    # which a capitalised directory defeats: only the checkout's files tell
+    (root / "tests" / "Models").mkdir()
+    (root / "tests" / "Models" / "test_m.py").write_text("")
+    case = '<testcase classname="tests.Models.test_m" name="test_z"/>'
+    capitalised = write(
+        tmp_path / "capitalised.xml", f"<testsuites><testsuite>{case}</testsuite></testsuites>"
+    )
+    assert list(upstream.read_junit(capitalised, root).tests) == ["tests/Models/test_m.py::test_z"]
 
 
 def test_no_file_or_a_file_cut_short_is_a_problem_not_a_crash(tmp_path: Path) -> None:
@@ -374,13 +383,9 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
     return True
 
 
-def test_what_ignores_the_interrupt_is_killed_with_the_ranks_in_their_own_sessions(tmp_path: Path) -> None:
-    """torchrun starts each rank in a session of its own: killing the agent's session alone would
-    leave them running."""
-    results = tmp_path / "results"
-    results.mkdir()
-    rank_pid = tmp_path / "rank.pid"
-    command = _fake(
+def _deaf_agent(tmp_path: Path, rank_pid: Path) -> list[str]:
+    """An agent that ignores SIGINT, with a rank in a session of its own (as torchrun starts them)."""
+    return _fake(
         tmp_path,
         f"""
         import signal, subprocess, sys, time
@@ -391,6 +396,15 @@ def test_what_ignores_the_interrupt_is_killed_with_the_ranks_in_their_own_sessio
         time.sleep(120)
         """,
     )
+
+
+def test_what_ignores_the_interrupt_is_killed_with_the_ranks_in_their_own_sessions(tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own: killing the agent's session alone would
+    leave them running."""
+    results = tmp_path / "results"
+    results.mkdir()
+    rank_pid = tmp_path / "rank.pid"
+    command = _deaf_agent(tmp_path, rank_pid)
     run = upstream.Run("ws2", results, (MFSDP,), 2)
     start = time.monotonic()
     result = upstream.execute(run, command, results, wall_s=2.0, grace_s=1.0)
@@ -400,7 +414,32 @@ def test_what_ignores_the_interrupt_is_killed_with_the_ranks_in_their_own_sessio
         == "wall limit 2 s reached: interrupted (SIGINT), still running after 1 s: killed (SIGKILL)"
     )
     assert _gone(int(rank_pid.read_text())), "the rank in its own session was left running"
+    assert result.leftovers == 1  # the rank, killed after the agent: the run's heading says so
     assert upstream.read_junit(result.junit).problem == "no JUnit file written"
+
+
+def test_an_interrupted_runner_leaves_no_run_behind(tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM, which main turns into the same) while a run goes: the run and its ranks
+    are ended before the interrupt goes on."""
+    results = tmp_path / "results"
+    results.mkdir()
+    rank_pid = tmp_path / "rank.pid"
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            upstream.execute(
+                upstream.Run("ws2", results, (MFSDP,), 2), _deaf_agent(tmp_path, rank_pid), results, 60.0, 1.0
+            )
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert _gone(int(rank_pid.read_text())), "the rank in its own session was left running"
+    assert not upstream.descendants(os.getpid())
 
 
 def test_a_run_that_finishes_in_time_keeps_its_status_and_a_stale_junit_goes(tmp_path: Path) -> None:
