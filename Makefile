@@ -34,6 +34,14 @@ PYTHON311 := $(shell for p in python3.11 python3; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
 
 STACK ?= $(if $(PYTHON312),newest,floor)
+# `make upstream MEGATRON_LM=PATH` runs that checkout's own tests against its own megatron-core (and its
+# standalone megatron-fsdp), in a venv of its own (.venv-<stack>-upstream, which `make upstream-record
+# MEGATRON_LM=PATH` uses too) so that the stack's usual venv is not rebuilt; MEGATRON_CORE and VENV still
+# override either.
+ifneq ($(and $(filter upstream upstream-record,$(MAKECMDGOALS)),$(strip $(MEGATRON_LM))),)
+MEGATRON_CORE ?= -e $(patsubst %/,%,$(strip $(MEGATRON_LM)))
+VENV          ?= .venv-$(STACK)-upstream
+endif
 ifeq ($(STACK),newest)
 PYTHON        ?= $(PYTHON312)
 # The registry's only torch for Python 3.12 is the CUDA build (~5.5 GB venv); it runs on CPU too.
@@ -153,13 +161,43 @@ lint: venv
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf .venv-newest .venv-floor .venv-floor-pytest8 .pytest_cache *.egg-info
+	rm -rf .venv-newest .venv-floor .venv-floor-pytest8 .venv-newest-upstream .venv-floor-upstream .pytest_cache \
+		*.egg-info upstream-results
 
-# Regenerate docs/known-bugs.md from the known-bug registry (KNOWN_BUGS in pytest_megatron_fsdp/fsdp/versions.py);
-# tests/unit/test_docs.py fails while the page and the registry disagree.
+# Regenerate docs/known-bugs.md from the known-bug registry (KNOWN_BUGS in pytest_megatron_fsdp/fsdp/versions.py)
+# and docs/gpu-only-causes.md from CAUSES in pytest_megatron_fsdp/fsdp/gpu_only.py and docs/gpu-only-tests.json;
+# tests/unit/test_docs.py fails while a page and its sources disagree.
 .PHONY: docs
 docs: venv
 	$(PY) docs/generate_known_bugs.py
+	$(PY) docs/generate_gpu_only_causes.py
+
+# Megatron-LM's own Megatron-FSDP tests, unchanged, on CPU ranks (bench/upstream.py; docs/upstream-suites.md):
+#   make upstream MEGATRON_LM=/path/to/Megatron-LM [UPSTREAM_TESTS="paths in it"] [UPSTREAM_WORLD_SIZES="2 4"]
+# one torchrun run per world size from the checkout's root, JUnit per run, a per-file table and summary.json in
+# UPSTREAM_RESULTS (default upstream-results/), each run under UPSTREAM_WALL seconds. The defaults are the
+# script's (python -m bench.upstream --help). The input is checked with the stack's base Python first, so
+# that a wrong MEGATRON_LM stops in one line before a venv is built.
+MEGATRON_LM          ?=
+MEGATRON_BRIDGE      ?=
+UPSTREAM_TESTS       ?=
+UPSTREAM_WORLD_SIZES ?=
+UPSTREAM_RESULTS     ?= upstream-results
+UPSTREAM_WALL        ?=
+UPSTREAM_FLAGS = --megatron-lm='$(MEGATRON_LM)' --megatron-bridge='$(MEGATRON_BRIDGE)' \
+	--tests='$(UPSTREAM_TESTS)' --results='$(UPSTREAM_RESULTS)' \
+	$(if $(strip $(UPSTREAM_WORLD_SIZES)),--world-sizes='$(UPSTREAM_WORLD_SIZES)') \
+	$(if $(strip $(UPSTREAM_WALL)),--wall='$(UPSTREAM_WALL)')
+.PHONY: upstream upstream-record
+upstream:
+	@$(or $(PYTHON),python3) -m bench.upstream --check $(UPSTREAM_FLAGS)
+	@$(MAKE) --no-print-directory venv MEGATRON_CORE='$(MEGATRON_CORE)' VENV='$(VENV)'
+	$(SCRATCH) $(PY) -m bench.upstream $(UPSTREAM_FLAGS)
+
+# Record the GPU-only skips of a `make upstream` run (UPSTREAM_RESULTS/summary.json) in docs/gpu-only-tests.json,
+# then regenerate docs/gpu-only-causes.md from it; commit both.
+upstream-record: venv
+	$(PY) docs/generate_gpu_only_causes.py --record $(UPSTREAM_RESULTS)/summary.json
 
 # Golden values (Megatron-LM's format) of the functional suite on this stack, recorded again: one
 # file per test under $(GOLDEN_DIR)/<stack>/<platform>/ (the stack named from the installed

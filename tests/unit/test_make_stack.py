@@ -65,3 +65,42 @@ def test_a_release_or_a_directory_without_megatron_fsdp_leaves_it_to_the_extras(
     assert _planned(tmp_path, "MEGATRON_CORE=megatron-core==0.19.2")["megatron-fsdp"] == ""
     (tmp_path / "not-a-checkout").mkdir()
     assert _planned(tmp_path, f"MEGATRON_CORE=-e {tmp_path / 'not-a-checkout'}")["megatron-fsdp"] == ""
+
+
+def _upstream_plan(tmp_path: Path, *assignments: str) -> str:
+    """What ``make -n upstream`` would run (the venv's sub-make dry-runs too)."""
+    done = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(REPO), "upstream", "PYTHON=python3", *assignments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_upstream_runs_the_checkouts_tests_against_its_own_megatron_core(tmp_path, checkout):
+    """MEGATRON_LM alone: megatron-core and megatron-fsdp from that checkout, in a venv of its own (the
+    stack's usual venv is not rebuilt); the input is checked before that venv is built."""
+    plan = _upstream_plan(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}/")
+    spec = re.search(r"echo '([^']*)' > \.venv-newest-upstream/\.installed", plan)
+    assert spec is not None, plan
+    assert (
+        f"megatron-core=-e {checkout} megatron-fsdp=-e {checkout}/megatron/core/distributed/fsdp/src"
+        in spec[1]
+    )
+    check = plan.index(f"python3 -m bench.upstream --check --megatron-lm='{checkout}/'")
+    assert check < plan.index(".venv-newest-upstream/.installed")
+    assert f".venv-newest-upstream/bin/python -m bench.upstream --megatron-lm='{checkout}/'" in plan
+
+
+def test_make_upstream_keeps_a_given_venv_and_megatron_core(tmp_path, checkout):
+    venv = tmp_path / "venv"
+    plan = _upstream_plan(
+        tmp_path, f"MEGATRON_LM={checkout}", f"VENV={venv}", "MEGATRON_CORE=megatron-core==0.19.2"
+    )
+    assert "megatron-core=megatron-core==0.19.2 " in plan
+    assert f"{venv}/bin/python -m bench.upstream" in plan
+    # and the other targets ignore MEGATRON_LM: `make smoke` keeps the stack's pins and venv
+    smoke = _planned(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}")
+    assert smoke["megatron-core"] == "megatron-core==0.19.2"
