@@ -4,7 +4,8 @@ Megatron-FSDP is written for CUDA, but its logic is device-neutral once the CUDA
 touches get CPU meanings (measured on 2 gloo ranks: streams, events, RNG, device meshes and
 device arguments were all it took). This module gives them those meanings and nothing more:
 
-* streams, events and ``synchronize`` become no-ops (CPU work is already ordered);
+* streams, events and ``synchronize`` become no-ops (CPU work is already ordered); no stream is
+  ever capturing a CUDA graph;
 * memory queries answer 0, ``current_device`` answers 0, ``set_device`` does nothing;
 * the "CUDA" RNG *is* the CPU generator, so Megatron's RNG tracker forks the generator that the
   CPU kernels really draw from (dropout stays reproducible and rank-consistent);
@@ -87,6 +88,10 @@ class _NullStream:
 
     def query(self) -> bool:
         return True
+
+    def is_capturing(self) -> bool:
+        # no CUDA graph is ever captured on the emulated device (torch's optimizers ask before a step)
+        return False
 
     def __enter__(self) -> _NullStream:
         return self
@@ -176,6 +181,7 @@ def _cuda_attribute_replacements() -> dict[str, Any]:
         "max_memory_reserved": _returning(0, "max_memory_reserved"),
         "reset_peak_memory_stats": _returning(None, "reset_peak_memory_stats"),
         "reset_max_memory_allocated": _returning(None, "reset_max_memory_allocated"),
+        "is_current_stream_capturing": _returning(False, "is_current_stream_capturing"),
         "Stream": _NullStream,
         "Event": _NullEvent,
         "current_stream": lambda device=None: _DEFAULT_STREAM,
