@@ -6,6 +6,7 @@ and owns every pytest hook of a rank: the platform, the rank session, the hooks 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable, Generator
@@ -26,6 +27,9 @@ from .summary import show_summary
 #: a rank's private temp tree (a torchrun-mode rank's: pytest's basetemp, torch's inductor cache), removed
 #: at exit (:meth:`RankKind.make_own_temp`)
 RANK_TEMP = pytest.StashKey[Path]()
+#: the dir a foreign suite's ranks of one launch share, their basetemps in it (see
+#: ``TorchrunRank.basetemp``): each rank removes its own at exit, the last one out the dir
+RUN_TEMP = pytest.StashKey[Path]()
 
 
 class RankKind(Protocol):
@@ -283,6 +287,11 @@ class RankPlugin(RolePlugin):
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.runner.close_log()  # the rank's log closes first
+        run = config.stash.get(RUN_TEMP, None)
+        if run is not None:
+            shutil.rmtree(run / f"rank{self.torchrun.rank}", ignore_errors=True)
+            with contextlib.suppress(OSError):  # not empty: a later rank's, or swept after the launch
+                run.rmdir()
         private = config.stash.get(RANK_TEMP, None)
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)
