@@ -149,7 +149,7 @@ venv:
 		$(if $(_BRIDGE),$(BRIDGE_INSTALL);) \
 		echo '$(SPEC)' > $(VENV)/.installed; \
 	fi
-	@$(MAKE) --no-print-directory stack
+	@$(MAKE) --no-print-directory stack STACK=$(STACK)
 
 # STACK=bridge: Megatron-Bridge editable without its dependencies, then BRIDGE_DEPS, then NVRX_SPEC. Its wheels
 # from 0.5 on are tagged manylinux_2_39 (glibc 2.39); where pip finds none for this glibc, that wheel is fetched
@@ -252,7 +252,7 @@ bridge-test: venv
 	'$(abspath $(PY))' -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m pytest -p no:cacheprovider \
 		--mfsdp-platform=cpu --mfsdp-foreign-suite=true --mfsdp-log-dir='$(BRIDGE_LOGS)' -s -rs \
 		$(if $(JUNIT),--junitxml='$(abspath $(JUNIT))') '$(BRIDGE_TEST)' $(PYTEST_ARGS); status=$$?; \
-	cd '$(CURDIR)' && '$(abspath $(PY))' -m bench.bridge_loss '$(BRIDGE_LOGS)/torchrun/rank$$(($(NPROC) - 1)).log' && \
+	cd '$(CURDIR)' && '$(abspath $(PY))' -m bench.bridge_loss "$(BRIDGE_LOGS)/torchrun/rank$$(($(NPROC) - 1)).log" && \
 	exit $$status
 
 # Record the GPU-only skips of a `make upstream` run (UPSTREAM_RESULTS/summary.json) in docs/gpu-only-tests.json,

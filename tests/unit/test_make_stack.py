@@ -167,6 +167,8 @@ def test_make_bridge_test_runs_the_test_from_the_checkout_in_the_bridge_venv(tmp
     junit = tmp_path / "bridge.xml"
     plan = _make_n("bridge-test", f"MEGATRON_BRIDGE={bridge_checkout}", f"JUNIT={junit}").stdout
     assert f"cd '{bridge_checkout}'" in plan
+    assert ".venv-bridge/bin/python -c" in plan  # the venv's stack line names this stack
+    assert "print('stack: bridge ('" in plan
     assert (
         f"'{REPO}/.venv-bridge/bin/python' -m torch.distributed.run --standalone --nproc_per_node=2" in plan
     )
