@@ -21,6 +21,7 @@ from ..harness import owned_temp, protocol
 from ..harness.platform import select_platform
 from ..harness.rank import RankDuties, RankRunner
 from ..harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
+from . import foreign_bridge
 from .deciding import PLATFORM, PLUGINS, ProcessRole, Role, RolePlugin
 from .summary import show_summary
 
@@ -135,6 +136,7 @@ class RankPlugin(RolePlugin):
                     role.torchrun.local_rank,
                     float(options.value_of(config, "pg-timeout").value),
                 )
+                foreign_bridge.watch(config, role.torchrun.rank)  # acts once megatron.bridge is imported
         config.stash[PLATFORM] = choice
 
     @classmethod

@@ -104,3 +104,81 @@ def test_make_upstream_keeps_a_given_venv_and_megatron_core(tmp_path, checkout):
     # and the other targets ignore MEGATRON_LM: `make smoke` keeps the stack's pins and venv
     smoke = _planned(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}")
     assert smoke["megatron-core"] == "megatron-core==0.19.2"
+
+
+@pytest.fixture
+def bridge_checkout(tmp_path: Path) -> Path:
+    """A Megatron-Bridge checkout's layout, its Megatron-LM submodule not checked out."""
+    root = tmp_path / "Megatron-Bridge"
+    (root / "src" / "megatron" / "bridge").mkdir(parents=True)
+    (root / "src" / "megatron" / "bridge" / "__init__.py").write_text("")
+    (root / "3rdparty" / "Megatron-LM").mkdir(parents=True)
+    return root
+
+
+def _make_n(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(REPO), "PYTHON=python3", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("assignments", "says"),
+    [
+        ((), "STACK=bridge needs MEGATRON_BRIDGE: set MEGATRON_BRIDGE=/path/to/Megatron-Bridge"),
+        (("MEGATRON_BRIDGE={tmp}",), "MEGATRON_BRIDGE={tmp} holds no src/megatron/bridge: set it to a"),
+        (
+            ("MEGATRON_BRIDGE={bridge}",),
+            "MEGATRON_CORE: {bridge}/3rdparty/Megatron-LM is empty: run git submodule",
+        ),
+    ],
+)
+def test_the_bridge_stack_refuses_a_missing_input_in_one_line(tmp_path, bridge_checkout, assignments, says):
+    values = {"tmp": tmp_path, "bridge": bridge_checkout}
+    done = _make_n("bridge-test", *(a.format(**values) for a in assignments))
+    assert done.returncode == 2
+    assert says.format(**values) in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_the_bridge_stack_installs_bridge_without_its_dependencies_then_what_its_test_imports(
+    tmp_path, checkout, bridge_checkout
+):
+    (bridge_checkout / "3rdparty" / "Megatron-LM" / "megatron" / "core").mkdir(parents=True)
+    planned = _planned(tmp_path, "STACK=bridge", f"MEGATRON_BRIDGE={bridge_checkout}")
+    assert planned["megatron-core"] == f"-e {bridge_checkout}/3rdparty/Megatron-LM"  # Bridge's own pin
+    assert f"megatron-bridge={bridge_checkout} bridge-deps=transformers>=5.8,<=5.12.1 " in planned["spec"]
+    plan = _make_n("venv", "STACK=bridge", f"VENV={tmp_path / 'venv'}", f"MEGATRON_BRIDGE={bridge_checkout}")
+    assert f"pip install -q --no-deps -e '{bridge_checkout}'" in plan.stdout
+    assert "'nvidia-resiliency-ext==0.6.0'" in plan.stdout
+    assert "transformer-engine" not in plan.stdout.lower()
+    assert "transformer_engine" not in plan.stdout
+    given = _planned(
+        tmp_path, "STACK=bridge", f"MEGATRON_BRIDGE={bridge_checkout}", f"MEGATRON_CORE=-e {checkout}"
+    )
+    assert given["megatron-core"] == f"-e {checkout}"
+
+
+def test_make_bridge_test_runs_the_test_from_the_checkout_in_the_bridge_venv(tmp_path, bridge_checkout):
+    (bridge_checkout / "3rdparty" / "Megatron-LM" / "megatron" / "core").mkdir(parents=True)
+    junit = tmp_path / "bridge.xml"
+    plan = _make_n("bridge-test", f"MEGATRON_BRIDGE={bridge_checkout}", f"JUNIT={junit}").stdout
+    assert f"cd '{bridge_checkout}'" in plan
+    assert ".venv-bridge/bin/python -c" in plan  # the venv's stack line names this stack
+    assert "print('stack: bridge ('" in plan
+    assert (
+        f"'{REPO}/.venv-bridge/bin/python' -m torch.distributed.run --standalone --nproc_per_node=2" in plan
+    )
+    for argument in (
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        f"--junitxml='{junit}'",
+        "test_megatron_fsdp.py::TestMegatronFSDP::test_fsdp_pretrain_basic",
+        "-m bench.bridge_loss",
+    ):
+        assert argument in plan, plan
+    without = _make_n("bridge-test", f"MEGATRON_BRIDGE={bridge_checkout}").stdout
+    assert "--junitxml" not in without
