@@ -14,9 +14,13 @@
 #   reproductions  tests/reproductions: upstream bugs shown with torch alone; CI runs them, `make test`
 #                  does not
 #
-# Stacks (STACK=newest|floor; default: newest when a Python 3.12 is found, else floor):
+# Stacks (STACK=newest|floor|bridge; default: bridge for `make bridge-test`, else newest when a Python 3.12 is
+# found, else floor):
 #   newest  Python 3.12 (on PATH, else the newest pyenv 3.12), megatron-core 0.19.2, torch 2.14.1, megatron-fsdp
 #   floor   Python 3.11, megatron-core 0.16.1, the CPU torch 2.13.0
+#   bridge  Python 3.12, torch 2.14.1, megatron-core from MEGATRON_CORE (default: the Megatron-LM submodule of
+#           MEGATRON_BRIDGE), Megatron-Bridge from MEGATRON_BRIDGE (a checkout, editable) with only what its
+#           Megatron-FSDP test imports (BRIDGE_DEPS; no Transformer Engine): `make bridge-test`
 # Gate your own Megatron-FSDP change: MEGATRON_CORE takes any pip requirement line, e.g.
 #   make smoke MEGATRON_CORE=/path/to/megatron_core-0.20.0-py3-none-any.whl
 #   make smoke MEGATRON_CORE="-e /path/to/Megatron-LM"
@@ -33,7 +37,15 @@ PYTHON312 := $(shell for p in python3.12 $$(ls -d $$(pyenv root 2>/dev/null || e
 PYTHON311 := $(shell for p in python3.11 python3; do \
 	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 11)' >/dev/null 2>&1 && { command -v "$$p"; break; }; done)
 
-STACK ?= $(if $(PYTHON312),newest,floor)
+STACK ?= $(if $(filter bridge-test,$(MAKECMDGOALS)),bridge,$(if $(PYTHON312),newest,floor))
+# `make upstream MEGATRON_LM=PATH` runs that checkout's own tests against its own megatron-core (and its
+# standalone megatron-fsdp), in a venv of its own (.venv-<stack>-upstream, which `make upstream-record
+# MEGATRON_LM=PATH` uses too) so that the stack's usual venv is not rebuilt; MEGATRON_CORE and VENV still
+# override either.
+ifneq ($(and $(filter upstream upstream-record,$(MAKECMDGOALS)),$(strip $(MEGATRON_LM))),)
+MEGATRON_CORE ?= -e $(patsubst %/,%,$(strip $(MEGATRON_LM)))
+VENV          ?= .venv-$(STACK)-upstream
+endif
 ifeq ($(STACK),newest)
 PYTHON        ?= $(PYTHON312)
 # The registry's only torch for Python 3.12 is the CUDA build (~5.5 GB venv); it runs on CPU too.
@@ -46,8 +58,31 @@ PYTHON        ?= $(PYTHON311)
 TORCH_SPEC    ?= torch==2.13.0
 MEGATRON_CORE ?= megatron-core==0.16.1
 EXTRAS        ?= dev
+else ifeq ($(STACK),bridge)
+_BRIDGE := $(patsubst %/,%,$(strip $(MEGATRON_BRIDGE)))
+ifeq ($(_BRIDGE),)
+$(error STACK=bridge needs MEGATRON_BRIDGE: set MEGATRON_BRIDGE=/path/to/Megatron-Bridge (a checkout))
+endif
+ifeq ($(wildcard $(_BRIDGE)/src/megatron/bridge/__init__.py),)
+$(error MEGATRON_BRIDGE=$(MEGATRON_BRIDGE) holds no src/megatron/bridge: set it to a Megatron-Bridge checkout)
+endif
+PYTHON        ?= $(PYTHON312)
+TORCH_SPEC    ?= torch==2.14.1
+# Bridge pins megatron-core to its Megatron-LM submodule (pyproject's [tool.uv.sources]).
+MEGATRON_CORE ?= -e $(_BRIDGE)/3rdparty/Megatron-LM
+ifeq ($(MEGATRON_CORE),-e $(_BRIDGE)/3rdparty/Megatron-LM)
+ifeq ($(wildcard $(_BRIDGE)/3rdparty/Megatron-LM/megatron/core),)
+$(error MEGATRON_CORE: $(_BRIDGE)/3rdparty/Megatron-LM is empty: run git submodule update --init there, or set MEGATRON_CORE="-e /path/to/Megatron-LM")
+endif
+endif
+EXTRAS        ?= dev,fully-shard
+# What Bridge's test imports beyond megatron-core, in the ranges Bridge's pyproject.toml declares (modelopt:
+# megatron-core's dev extra); its other dependencies (Transformer Engine among them) stay out.
+BRIDGE_DEPS   ?= transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 datasets>=2.20.0 tensorboard>=2.19.0 nvidia-modelopt>=0.44
+# Bridge's pretrain imports nvidia_resiliency_ext; Megatron-LM main asserts it is >= 0.6.0 once installed.
+NVRX_SPEC     ?= nvidia-resiliency-ext==0.6.0
 else
-$(error STACK=$(STACK): choose newest or floor)
+$(error STACK=$(STACK): choose newest, floor or bridge)
 endif
 # A Megatron-LM checkout in MEGATRON_CORE ("-e PATH", "--editable PATH" or PATH) brings its own
 # standalone megatron-fsdp (it has its own pyproject.toml there).
@@ -91,12 +126,13 @@ PYTEST   := $(SCRATCH) $(PY) -m pytest
 TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 # What the venv was built from: a change of any of these rebuilds the installs.
 SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) megatron-fsdp=$(MEGATRON_FSDP) \
-	extras=$(EXTRAS) flags=$(VENV_FLAGS)$(if $(PYTEST_SPEC), pytest=$(PYTEST_SPEC))
+	extras=$(EXTRAS) flags=$(VENV_FLAGS)$(if $(PYTEST_SPEC), pytest=$(PYTEST_SPEC))$(if $(_BRIDGE), \
+	megatron-bridge=$(_BRIDGE) bridge-deps=$(BRIDGE_DEPS) nvrx=$(NVRX_SPEC))
 
 .PHONY: venv smoke test unit integration functional e2e reproductions lint stack clean
 
 venv:
-	@test -n "$(PYTHON)" || { echo "make: no Python for STACK=$(STACK) (newest needs 3.12, floor 3.11); set PYTHON=..." >&2; exit 2; }
+	@test -n "$(PYTHON)" || { echo "make: no Python for STACK=$(STACK) (newest and bridge need 3.12, floor 3.11); set PYTHON=..." >&2; exit 2; }
 	@if [ "$$(cat $(VENV)/.installed 2>/dev/null)" != "$(SPEC)" ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
 		set -e; echo "make: building $(VENV) ($(SPEC))"; \
 		test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV); \
@@ -110,9 +146,25 @@ venv:
 		else \
 			$(PY) -m pip install -q -e '.[$(EXTRAS)]' $(if $(PYTEST_SPEC),'$(PYTEST_SPEC)'); \
 		fi; \
+		$(if $(_BRIDGE),$(BRIDGE_INSTALL);) \
 		echo '$(SPEC)' > $(VENV)/.installed; \
 	fi
-	@$(MAKE) --no-print-directory stack
+	@$(MAKE) --no-print-directory stack STACK=$(STACK)
+
+# STACK=bridge: Megatron-Bridge editable without its dependencies, then BRIDGE_DEPS, then NVRX_SPEC. Its wheels
+# from 0.5 on are tagged manylinux_2_39 (glibc 2.39); where pip finds none for this glibc, that wheel is fetched
+# and installed under this machine's plain linux tag, in one line saying so: its one compiled module (the CUPTI
+# straggler detector, CUDA 13) is never loaded on CPU ranks.
+BRIDGE_INSTALL = $(PY) -m pip install -q --no-deps -e '$(_BRIDGE)' && \
+	$(PY) -m pip install -q $(foreach d,$(BRIDGE_DEPS),'$(d)') && \
+	if ! $(PY) -m pip install -q '$(NVRX_SPEC)' 2>/dev/null; then \
+		arch=$$(uname -m); wheels=$$(mktemp -d); \
+		echo "make: $(NVRX_SPEC) has no wheel for this glibc; installing its manylinux_2_39_$$arch wheel as linux_$$arch"; \
+		status=0; { $(PY) -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_39_$$arch \
+			-d "$$wheels" '$(NVRX_SPEC)' && \
+		for w in "$$wheels"/*.whl; do mv "$$w" "$${w%manylinux_2_39_$$arch.whl}linux_$$arch.whl"; done && \
+		$(PY) -m pip install -q "$$wheels"/*.whl; } || status=$$?; rm -rf "$$wheels"; test $$status = 0; \
+	fi
 
 # One line naming the stack under test (the plugin's header says the same per session).
 stack:
@@ -153,13 +205,60 @@ lint: venv
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf .venv-newest .venv-floor .venv-floor-pytest8 .pytest_cache *.egg-info
+	rm -rf .venv-newest .venv-floor .venv-floor-pytest8 .venv-newest-upstream .venv-floor-upstream .venv-bridge .pytest_cache \
+		*.egg-info upstream-results
 
-# Regenerate docs/known-bugs.md from the known-bug registry (KNOWN_BUGS in pytest_megatron_fsdp/fsdp/versions.py);
-# tests/unit/test_docs.py fails while the page and the registry disagree.
+# Regenerate docs/known-bugs.md from the known-bug registry (KNOWN_BUGS in pytest_megatron_fsdp/fsdp/versions.py)
+# and docs/gpu-only-causes.md from CAUSES in pytest_megatron_fsdp/fsdp/gpu_only.py and docs/gpu-only-tests.json;
+# tests/unit/test_docs.py fails while a page and its sources disagree.
 .PHONY: docs
 docs: venv
 	$(PY) docs/generate_known_bugs.py
+	$(PY) docs/generate_gpu_only_causes.py
+
+# Megatron-LM's own Megatron-FSDP tests, unchanged, on CPU ranks (bench/upstream.py; docs/upstream-suites.md):
+#   make upstream MEGATRON_LM=/path/to/Megatron-LM [UPSTREAM_TESTS="paths in it"] [UPSTREAM_WORLD_SIZES="2 4"]
+# one torchrun run per world size from the checkout's root, JUnit per run, a per-file table and summary.json in
+# UPSTREAM_RESULTS (default upstream-results/), each run under UPSTREAM_WALL seconds. The defaults are the
+# script's (python -m bench.upstream --help). The input is checked with the stack's base Python first, so
+# that a wrong MEGATRON_LM stops in one line before a venv is built.
+MEGATRON_LM          ?=
+MEGATRON_BRIDGE      ?=
+UPSTREAM_TESTS       ?=
+UPSTREAM_WORLD_SIZES ?=
+UPSTREAM_RESULTS     ?= upstream-results
+UPSTREAM_WALL        ?=
+UPSTREAM_FLAGS = --megatron-lm='$(MEGATRON_LM)' --megatron-bridge='$(MEGATRON_BRIDGE)' \
+	--tests='$(UPSTREAM_TESTS)' --results='$(UPSTREAM_RESULTS)' \
+	$(if $(strip $(UPSTREAM_WORLD_SIZES)),--world-sizes='$(UPSTREAM_WORLD_SIZES)') \
+	$(if $(strip $(UPSTREAM_WALL)),--wall='$(UPSTREAM_WALL)')
+.PHONY: upstream upstream-record
+upstream:
+	@$(or $(PYTHON),python3) -m bench.upstream --check $(UPSTREAM_FLAGS)
+	@$(MAKE) --no-print-directory venv MEGATRON_CORE='$(MEGATRON_CORE)' VENV='$(VENV)'
+	$(SCRATCH) $(PY) -m bench.upstream $(UPSTREAM_FLAGS)
+
+# Megatron-Bridge's own Megatron-FSDP test, unchanged, on NPROC CPU ranks (docs/upstream-suites.md, "Megatron-Bridge's
+# test"), in STACK=bridge's venv (.venv-bridge), from the checkout's root (its tests import `tests.…`):
+#   make bridge-test MEGATRON_BRIDGE=/path/to/Megatron-Bridge [MEGATRON_CORE="-e /path/to/Megatron-LM"] [JUNIT=path]
+# `-s` sends the last rank's training log to its rank log (BRIDGE_LOGS/torchrun/), whose last loss bench/bridge_loss.py
+# prints and requires finite; JUNIT: rank 0's JUnit file. Nothing is written into the checkout (no .pytest_cache).
+BRIDGE_TEST ?= tests/functional_tests/test_groups/megatron_fsdp/test_megatron_fsdp.py::TestMegatronFSDP::test_fsdp_pretrain_basic
+BRIDGE_LOGS ?= $(CURDIR)/.pytest_cache/d/mfsdp-logs/bridge
+JUNIT       ?=
+.PHONY: bridge-test
+bridge-test: venv
+	@rm -rf '$(BRIDGE_LOGS)' && $(SCRATCH) && export TMPDIR && cd '$(_BRIDGE)' && \
+	'$(abspath $(PY))' -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m pytest -p no:cacheprovider \
+		--mfsdp-platform=cpu --mfsdp-foreign-suite=true --mfsdp-log-dir='$(BRIDGE_LOGS)' -s -rs \
+		$(if $(JUNIT),--junitxml='$(abspath $(JUNIT))') '$(BRIDGE_TEST)' $(PYTEST_ARGS); status=$$?; \
+	cd '$(CURDIR)' && '$(abspath $(PY))' -m bench.bridge_loss "$(BRIDGE_LOGS)/torchrun/rank$$(($(NPROC) - 1)).log" && \
+	exit $$status
+
+# Record the GPU-only skips of a `make upstream` run (UPSTREAM_RESULTS/summary.json) in docs/gpu-only-tests.json,
+# then regenerate docs/gpu-only-causes.md from it; commit both.
+upstream-record: venv
+	$(PY) docs/generate_gpu_only_causes.py --record $(UPSTREAM_RESULTS)/summary.json
 
 # Golden values (Megatron-LM's format) of the functional suite on this stack, recorded again: one
 # file per test under $(GOLDEN_DIR)/<stack>/<platform>/ (the stack named from the installed
@@ -187,8 +286,8 @@ COVERED_FILES  := */megatron/core/distributed/fsdp/*,*/megatron_fsdp/*,*/megatro
 coverage: venv
 	@rm -rf $(COVERAGE_DIR)
 	@sources=$$($(PY) -c "import importlib.util as u, os; \
-		top = [u.find_spec(n) for n in ('megatron', 'megatron_fsdp')]; \
-		core = os.path.join(list(top[0].submodule_search_locations)[0], 'core'); \
+		top = [u.find_spec(n) for n in ('megatron.core', 'megatron_fsdp')]; \
+		core = list(top[0].submodule_search_locations)[0]; \
 		dirs = [os.path.join(core, 'distributed', 'fsdp'), os.path.join(core, 'optimizer')]; \
 		dirs += [list(top[1].submodule_search_locations)[0]] if top[1] else []; print(','.join(dirs))") && \
 	$(SCRATCH) $(PY) -m coverage run --source="$$sources" -m pytest $(COVERAGE_TESTS) $(PYTEST_ARGS); \

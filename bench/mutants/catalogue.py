@@ -128,6 +128,19 @@ MUTANTS: tuple[Mutant, ...] = (
         fp32 by default. Symptom: gradients halved on 2 ranks; losses drift from the fp32 run.""",
         probe="test_fully_shard.py::test_fully_shard_bf16_mixed_precision_trains",
     ),
+    Mutant(
+        "unfused_scale_dropped",
+        "gradient scaling/averaging",
+        both("param_and_grad_buffer.py"),
+        "grad_data.mul_(scaling_factor)\n        reduce_op = torch.distributed.ReduceOp.SUM",
+        "grad_data.mul_(1.0)\n        reduce_op = torch.distributed.ReduceOp.SUM",
+        """The unfused path (gradient_reduce_div_fusion=False, or bf16 gradient communication) sums
+        without the 1/dp scale. megatron-core's FullyShardedDataParallel with the fusion off or with
+        grad_reduce_in_fp32=False in bf16; fully_shard with a bf16 grad_comm_dtype. The default
+        (fused, fp32 gradients) never runs it. Symptom: grad norm x dp; Adam hides most of it from
+        the losses.""",
+        probe="test_strategies.py::test_unfused_gradient_division_matches_ddp[optim_grads_params]",
+    ),
     # --- gradient accumulation ---------------------------------------------------------------------
     Mutant(
         "unsharded_accum_overwrites",

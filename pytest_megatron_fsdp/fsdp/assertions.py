@@ -23,6 +23,7 @@ def assert_last_loss_finite(result: TrainResult) -> None:
     the first iteration whose loss was not finite, on which ranks (a NaN at iteration 2 is
     what to debug, not the NaN it is still at iteration 10).
     """
+    _check_is_result(result, "assert_last_loss_finite")
     per_rank = gather_objects(result.local_losses)
     last = result.first_iteration + len(result.local_losses) - 1
     bad = [(rank, losses[-1]) for rank, losses in enumerate(per_rank) if not math.isfinite(losses[-1])]
@@ -52,6 +53,16 @@ def assert_last_loss_finite(result: TrainResult) -> None:
     )
 
 
+def _check_is_result(result: object, assertion: str) -> None:
+    """One clear line where a test passes the run (or anything else) instead of what its
+    ``train()`` returned: every rank passes the same kind of object, so every rank raises alike."""
+    if not isinstance(result, TrainResult):
+        raise TypeError(
+            f"{assertion} takes the TrainResult that train() returns, not {type(result).__name__}: "
+            f"result = run.train(); {assertion}(result)"
+        )
+
+
 def first_non_finite(values: list[float]) -> int | None:
     """Index of the first value that is NaN or infinite (None: all finite)."""
     return next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
@@ -63,6 +74,7 @@ def assert_loss_decreased(result: TrainResult, min_relative_drop: float = 0.02) 
     Uses the data-parallel mean loss, identical on every rank. The margin keeps noise (a frozen
     model's loss still moves a little from batch to batch) from passing as learning.
     """
+    _check_is_result(result, "assert_loss_decreased")
     first, last = result.losses[0], result.losses[-1]
     target = first * (1.0 - min_relative_drop)
     last_iteration = result.first_iteration + len(result.losses) - 1

@@ -26,18 +26,37 @@ class GpuOnlyCause:
         return f"GPU-only: {self.name}"
 
 
+#: the class the emulation raises where a foreign suite asks for what only a GPU has
+#: (``harness/device_limits.py``; named, not imported: the domain layer imports no harness)
+_LACKS = "EmulatedDeviceLacks"
+
 #: the maintained list (docs/upstream-suites.md lists it with the upstream tests each covers)
 CAUSES: tuple[GpuOnlyCause, ...] = (
     GpuOnlyCause(
         "Transformer Engine",
         modules=("transformer_engine",),
-        # megatron's TransformerConfig for TE-only fusions (fused RoPE needs TE >= 1.4)
-        raised=(("ValueError", "is not available. Please install TE"),),
+        raised=(
+            # megatron's TransformerConfig for TE-only fusions (fused RoPE needs TE >= 1.4)
+            ("ValueError", "is not available. Please install TE"),
+            # megatron's TE layer classes (megatron/core/extensions/transformer_engine.py), made
+            # without TE, e.g. by an MoE layer spec's grouped GEMM
+            ("ImportError", "Transformer Engine is not installed. Please install it with"),
+        ),
     ),
     GpuOnlyCause(
         "mamba_ssm (CUDA kernels)",
         modules=("mamba_ssm",),
         raised=(("ImportError", "MambaSSM is not installed"),),
+    ),
+    GpuOnlyCause("CUDA graphs", raised=((_LACKS, "has no CUDA graphs"),)),
+    GpuOnlyCause("symmetric memory", raised=((_LACKS, "has no symmetric memory"),)),
+    GpuOnlyCause("CUDA memory accounting", raised=((_LACKS, "has no CUDA memory accounting"),)),
+    GpuOnlyCause("CUDA kernel trace (profiler)", raised=((_LACKS, "has no CUDA kernel trace"),)),
+    GpuOnlyCause(
+        "CUDA device placement",
+        # pytest's explanation of `assert tensor.device == <a CUDA device>`: on CPU ranks every
+        # tensor is on the CPU, whatever the code under test did with it
+        raised=(("AssertionError", "assert device(type='cpu') == device(type='cuda'"),),
     ),
 )
 

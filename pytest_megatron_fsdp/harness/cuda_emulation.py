@@ -4,7 +4,8 @@ Megatron-FSDP is written for CUDA, but its logic is device-neutral once the CUDA
 touches get CPU meanings (measured on 2 gloo ranks: streams, events, RNG, device meshes and
 device arguments were all it took). This module gives them those meanings and nothing more:
 
-* streams, events and ``synchronize`` become no-ops (CPU work is already ordered);
+* streams, events and ``synchronize`` become no-ops (CPU work is already ordered); no stream is
+  ever capturing a CUDA graph;
 * memory queries answer 0, ``current_device`` answers 0, ``set_device`` does nothing;
 * the "CUDA" RNG *is* the CPU generator, so Megatron's RNG tracker forks the generator that the
   CPU kernels really draw from (dropout stays reproducible and rank-consistent);
@@ -26,6 +27,8 @@ device arguments were all it took). This module gives them those meanings and no
   a marker that ``reduce_scatter_tensor`` and ``all_reduce`` honour by scaling their input by ``f``
   (in place, as Megatron-FSDP's unfused path does) and summing, so Megatron's default
   ``gradient_reduce_div_fusion=True`` path runs on CPU ranks too;
+* ``all_gather`` into outputs of different shapes (NCCL takes them, gloo refuses them) is done as
+  one broadcast from each rank in turn (:func:`_uneven_aware_all_gather`);
 * every gloo process group gets one worker thread (:class:`InOrderProcessGroupGloo`), so a group's
   collectives run one at a time in issue order, as NCCL runs a communicator's. With torch's two
   threads per group, torch's gloo corrupts the heap when several asynchronous coalesced all-gathers
@@ -87,6 +90,10 @@ class _NullStream:
 
     def query(self) -> bool:
         return True
+
+    def is_capturing(self) -> bool:
+        # no CUDA graph is ever captured on the emulated device (torch's optimizers ask before a step)
+        return False
 
     def __enter__(self) -> _NullStream:
         return self
@@ -176,6 +183,7 @@ def _cuda_attribute_replacements() -> dict[str, Any]:
         "max_memory_reserved": _returning(0, "max_memory_reserved"),
         "reset_peak_memory_stats": _returning(None, "reset_peak_memory_stats"),
         "reset_max_memory_allocated": _returning(None, "reset_max_memory_allocated"),
+        "is_current_stream_capturing": _returning(False, "is_current_stream_capturing"),
         "Stream": _NullStream,
         "Event": _NullEvent,
         "current_stream": lambda device=None: _DEFAULT_STREAM,
@@ -376,6 +384,52 @@ def _premul_aware(original: Callable[..., Any], tensor_arg: str) -> Callable[...
     return collective
 
 
+class _CompletedWork:
+    """What an ``async_op=True`` collective returns when the emulation ran it to completion."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+
+def _uneven_aware_all_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``all_gather`` (``original``) that also takes outputs of different shapes, as NCCL does (torch's
+    NCCL backend then broadcasts from each rank in turn, in one group call); gloo's allgather refuses
+    them ("invalid tensor size"). Megatron-FSDP gathers uneven DTensor shards this way
+    (``uneven_dtensor.gather_uneven_dtensor_to_full_tensor``). Here each rank broadcasts its input in
+    turn into the others' output of its index; outputs of one shape go to gloo's allgather as before.
+    """
+    signature = inspect.signature(original)
+
+    def all_gather(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        outputs, tensor = bound.arguments["tensor_list"], bound.arguments["tensor"]
+        if all(output.shape == tensor.shape for output in outputs):
+            return original(*bound.args, **bound.kwargs)
+        group = bound.arguments.get("group")
+        me = _dist.get_rank(group)
+        for index, output in enumerate(outputs):
+            source = _dist.get_global_rank(group, index) if group is not None else index
+            if index == me:
+                _dist.broadcast(tensor.detach().contiguous(), src=source, group=group)
+                output.copy_(tensor)
+                continue
+            staged = output.detach().contiguous()  # the output itself where it is dense
+            _dist.broadcast(staged, src=source, group=group)
+            if staged.data_ptr() != output.data_ptr():
+                output.copy_(staged)
+        return _CompletedWork() if bound.arguments.get("async_op") else None
+
+    all_gather.__name__ = all_gather.__qualname__ = original.__name__
+    all_gather.__doc__ = original.__doc__
+    return all_gather
+
+
 def _gloo_devices() -> list[Any]:
     """The devices torch's own gloo constructor picks: one per ``GLOO_SOCKET_IFNAME`` entry, or the
     host's default."""
@@ -462,6 +516,7 @@ class _Emulation:
         self._patch(_dist, "_make_nccl_premul_sum", _make_premul_sum)
         self._patch(_dist, "reduce_scatter_tensor", _premul_aware(_dist.reduce_scatter_tensor, "input"))
         self._patch(_dist, "all_reduce", _premul_aware(_dist.all_reduce, "tensor"))
+        self._patch(_dist, "all_gather", _uneven_aware_all_gather(_dist.all_gather))
         # torch's group constructors look the class up in distributed_c10d at call time
         self._patch(_c10d, "ProcessGroupGloo", _in_order_gloo_class())
         self._mode = _CudaToCpuMode()

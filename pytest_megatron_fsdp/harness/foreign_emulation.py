@@ -26,7 +26,11 @@ those calls as one GPU per local rank would, each line for the upstream call tha
 * ``get_device_capability``/``get_device_name``/``get_device_properties``: an sm 8.0 device (no FP8,
   no MXFP8: the paths that need them stay off, as on an A100), named as the emulation it is;
 * ``torch.cuda.MemPool``/``use_mem_pool``: a pool that allocates nothing of its own;
-* ``torch.accelerator.current_stream``/``synchronize``: the emulation's null stream.
+* ``torch.accelerator.current_stream``/``synchronize``: the emulation's null stream;
+* a storage that Megatron-FSDP V2 releases and grows back gets its block back, at its address, as
+  from CUDA's caching allocator (:mod:`.caching_allocator`);
+* what only a GPU has (CUDA graphs, symmetric memory, CUDA memory accounting, a CUDA kernel trace):
+  raises :class:`.device_limits.EmulatedDeviceLacks` where asked for (:mod:`.device_limits`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch.distributed as _dist
 import torch.distributed.device_mesh as _device_mesh
 import torch.distributed.distributed_c10d as _c10d
 
-from . import cuda_emulation
+from . import caching_allocator, cuda_emulation, device_limits
 from .made_groups import MadeGroups
 
 __all__ = ["EMULATED_CAPABILITY", "disable", "enable", "is_enabled", "made_groups"]
@@ -254,6 +258,8 @@ class _ForeignLayer:
                     self._patch(owner, name, _on_gloo(owner.__dict__[name], self.pg_timeout_s, self.made))
         for owner in (_dist, _c10d):
             self._patch(owner, "barrier", _without_device_ids(owner.__dict__["barrier"]))
+        device_limits.apply(self._patch)
+        caching_allocator.apply(self._patch)
 
     def restore(self) -> None:
         self._patches.restore()

@@ -17,8 +17,9 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-#: the names of the dirs the harness makes this way, before the owner: a rank's, the session's
-PREFIXES = (r"mfsdp-rank\d+-", r"mfsdp-session-")
+#: the names of the dirs the harness makes this way, before the owner: a rank's, the session's, and
+#: the one the ranks of one launch share (:func:`shared_with_siblings`, owned by their launcher)
+PREFIXES = (r"mfsdp-rank\d+-", r"mfsdp-session-", r"mfsdp-run-")
 
 
 def _pid_namespace() -> int:
@@ -36,6 +37,17 @@ def owner_tag(pid: int | None = None) -> str:
 def make(prefix: str, dir: str | os.PathLike[str] | None = None) -> str:
     """``tempfile.mkdtemp`` (private, 0700) with the owner in the name."""
     return tempfile.mkdtemp(prefix=f"{prefix}{owner_tag()}-", dir=dir)
+
+
+def shared_with_siblings(prefix: str, launch: str) -> Path:
+    """A dir in ``$TMPDIR`` that every child of this process's parent names alike, made by whichever
+    comes first (0700): ``<prefix><the parent's owner tag>-<launch>`` (``launch``: what tells two
+    launches by one parent apart, e.g. torchrun's run id; only letters, digits and ``-`` are kept).
+    Its owner is the parent: :func:`sweep` removes it once the parent has ended."""
+    tail = re.sub(r"[^A-Za-z0-9-]", "", launch) or "run"
+    path = Path(tempfile.gettempdir()) / f"{prefix}{owner_tag(os.getppid())}-{tail}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
 
 
 def running(pid: int) -> bool:

@@ -6,6 +6,7 @@ and owns every pytest hook of a rank: the platform, the rank session, the hooks 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -22,13 +23,16 @@ from ..harness.made_groups import MadeGroups
 from ..harness.platform import select_platform
 from ..harness.rank import RankDuties, RankRunner
 from ..harness.session import RANK_SESSION, RankSession, TorchrunEnv, check_collectives
-from . import gpu_only_skips
+from . import foreign_bridge, gpu_only_skips
 from .deciding import PLATFORM, PLUGINS, ProcessRole, Role, RolePlugin
 from .summary import show_summary
 
 #: a rank's private temp tree (a torchrun-mode rank's: pytest's basetemp, torch's inductor cache), removed
 #: at exit (:meth:`RankKind.make_own_temp`)
 RANK_TEMP = pytest.StashKey[Path]()
+#: the dir a foreign suite's ranks of one launch share, their basetemps in it (see
+#: ``TorchrunRank.basetemp``): each rank removes its own at exit, the last one out the dir
+RUN_TEMP = pytest.StashKey[Path]()
 
 
 class RankKind(Protocol):
@@ -142,6 +146,7 @@ class RankPlugin(RolePlugin):
                     role.torchrun.local_rank,
                     float(options.value_of(config, "pg-timeout").value),
                 )
+                foreign_bridge.watch(config, role.torchrun.rank)  # acts once megatron.bridge is imported
         config.stash[PLATFORM] = choice
 
     @classmethod
@@ -308,6 +313,11 @@ class RankPlugin(RolePlugin):
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.runner.close_log()  # the rank's log closes first
+        run = config.stash.get(RUN_TEMP, None)
+        if run is not None:
+            shutil.rmtree(run / f"rank{self.torchrun.rank}", ignore_errors=True)
+            with contextlib.suppress(OSError):  # not empty: a later rank's, or swept after the launch
+                run.rmdir()
         private = config.stash.get(RANK_TEMP, None)
         if private is not None:
             shutil.rmtree(private, ignore_errors=True)

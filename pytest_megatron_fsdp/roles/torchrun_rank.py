@@ -19,7 +19,7 @@ from ..harness.rank import RankDuties
 from ..harness.session import TorchrunEnv
 from .awaiting import AwaitingUse
 from .deciding import ProcessRole, Role, RolePlugin
-from .ranks import RANK_TEMP, RankPlugin, register
+from .ranks import RANK_TEMP, RUN_TEMP, RankPlugin, register
 
 #: a torchrun-mode rank whose session has not asked for the plugin yet (see AwaitingUse)
 _AWAITING = pytest.StashKey[bool]()
@@ -86,6 +86,14 @@ class TorchrunRank:
             given = Path(config.option.basetemp)
             given.mkdir(parents=True, exist_ok=True)  # pytest makes the rank's dir, not its parents
             return str(given / f"rank{torchrun.rank}")
+        if options.value_of(config, "foreign-suite").value:
+            # A suite written for GPUs may share files between its ranks through the parent of
+            # pytest's basetemp, as every rank's $TMPDIR/pytest-of-<user> is under plain pytest
+            # (Megatron-LM's tmp_path_dist_ckpt: mktemp(...).parent.parent / "tmp_dist_ckpt"): the
+            # ranks of this launch share that parent, as they share an explicit --basetemp's.
+            run = owned_temp.shared_with_siblings("mfsdp-run-", torchrun.run_id)
+            config.stash[RUN_TEMP] = run
+            return str(run / f"rank{torchrun.rank}")
         return str(config.stash[RANK_TEMP] / "basetemp")
 
     def configure(self, config: pytest.Config, role: ProcessRole) -> RolePlugin | None:

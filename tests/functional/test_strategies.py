@@ -29,6 +29,10 @@ ACCUMULATION_CPU_RTOL = 1e-6
 #: the ranks, DDP over whole tensors, so the float32 sums differ in order (measured on CPU ranks:
 #: below 1e-6 relative); a gradient scaled, dropped or reduced over the wrong ranks is off by far more
 GRAD_NORM_RTOL = 1e-5
+#: bf16 gradients reduced in bf16 on GPUs: NCCL's reduction order and the bf16 kernels differ
+#: between the wrappers (not verified on GPUs); on CPU ranks the losses are equal and the grad
+#: norms within GRAD_NORM_RTOL (measured: 2e-7 relative)
+BF16_GPU_RTOL = 2e-2
 
 
 def _assert_same_losses(actual, expected, rel_tol, what):
@@ -156,6 +160,46 @@ def test_gradient_accumulation_four_microbatches(
     rel_tol = ACCUMULATION_CPU_RTOL if dist_env.platform == "cpu" else GPU_RTOL
     _assert_same_losses(result.losses, expected.losses, rel_tol, f"4 micro-batches, {strategy}")
     _assert_same_grad_norms(result.grad_norms, expected.grad_norms, f"4 micro-batches, {strategy}")
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
+def test_unfused_gradient_division_matches_ddp(megatron_fsdp_run, run_config, dist_env, ddp_result, strategy):
+    """``gradient_reduce_div_fusion=False``: Megatron-FSDP scales each gradient bucket before a SUM
+    reduction instead of fusing the average into it (NCCL's pre-multiplied sum, the default for
+    fp32 gradients), the path bf16 gradients always take. A scale lost or applied twice there moves
+    the grad norm by the data-parallel size, which Adam hides from the losses, so both are compared
+    with DDP's (which keeps the default)."""
+    run_config.ddp.data_parallel_sharding_strategy = strategy
+    run_config.ddp.gradient_reduce_div_fusion = False
+    result = megatron_fsdp_run(run_config).train(ITERS)
+    what = f"{strategy}, gradient_reduce_div_fusion=False"
+    _assert_same_losses(result.losses, ddp_result.losses, _rel_tol(dist_env.platform, strategy), what)
+    _assert_same_grad_norms(result.grad_norms, ddp_result.grad_norms, what)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_bf16_gradients_reduced_in_bf16_match_ddp(megatron_fsdp_run, run_config, dist_env):
+    """bf16 with ``grad_reduce_in_fp32=False`` (Megatron's default; Bridge's recipes turn it on):
+    the gradients are reduced in bf16 and accumulated into fp32 main gradients for the optimizer.
+    Against DDP reducing in bf16 too, per iteration, losses and grad norms: a gradient scaled wrong
+    (by the data-parallel size) or a main gradient left unaccumulated is far outside the
+    tolerances (on CPU ranks the losses are exact)."""
+    run_config.model.bf16 = True
+    run_config.ddp.grad_reduce_in_fp32 = False
+    baseline = megatron_fsdp_run(ddp_baseline(run_config))
+    expected = baseline.train(ITERS)
+    baseline.close()
+    run = megatron_fsdp_run(run_config)
+    result = run.train(ITERS)
+    assert_megatron_fsdp_sharded(run.model)
+    assert_loss_decreased(result)
+    what = "bf16, grad_reduce_in_fp32=False"
+    on_cpu = dist_env.platform == "cpu"
+    _assert_same_losses(result.losses, expected.losses, 0.0 if on_cpu else BF16_GPU_RTOL, what)
+    _assert_same_grad_norms(
+        result.grad_norms, expected.grad_norms, what, rel_tol=GRAD_NORM_RTOL if on_cpu else BF16_GPU_RTOL
+    )
 
 
 @pytest.mark.distributed(world_size=2, tp=2)

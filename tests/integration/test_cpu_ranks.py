@@ -54,6 +54,28 @@ def test_premul_sum_is_the_pre_multiplied_sum_over_gloo(dist_env):
 
 
 @pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_all_gather_into_outputs_of_different_shapes_over_gloo(dist_env, async_op):
+    """NCCL gathers outputs of different shapes (Megatron-FSDP's uneven DTensor shards); gloo's
+    allgather refuses them: in a CPU rank each rank's input lands in every rank's output of its index."""
+    import torch.distributed as dist
+
+    sizes = [3 + 2 * r for r in range(dist_env.world_size)]  # rank r holds r's own rows, 3 + 2r of them
+    per_rank = [torch.arange(n * 2, dtype=torch.float32).reshape(n, 2) + 100 * r for r, n in enumerate(sizes)]
+    outputs = [torch.full((n, 2), -1.0) for n in sizes]
+    outputs[-1] = torch.full((2, sizes[-1]), -1.0).t()  # a strided output is filled in place too
+    work = dist.all_gather(outputs, per_rank[dist_env.rank].clone(), async_op=async_op)
+    if async_op:
+        assert work.wait()
+    for output, expected in zip(outputs, per_rank, strict=True):
+        assert torch.equal(output, expected)
+    # one shape: gloo's own allgather, as before
+    even = [torch.empty(2) for _ in sizes]
+    dist.all_gather(even, torch.full((2,), float(dist_env.rank)))
+    assert [e.tolist() for e in even] == [[float(r)] * 2 for r in range(dist_env.world_size)]
+
+
+@pytest.mark.distributed(world_size=2)
 def test_megatrons_clip_on_cpu_ranks_matches_a_hand_computed_clip(dist_env):
     """In a CPU rank (emulation on): megatron's clip_grad_by_total_norm_fp32 itself, against the
     clip computed by hand: every gradient times max_norm / (total_norm + 1e-6) when that is < 1."""

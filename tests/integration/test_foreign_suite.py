@@ -4,7 +4,12 @@ or in the rank sets plain pytest launches, each test with one outcome on every r
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from fake_bridge import write_fake_bridge
+
+from pytest_megatron_fsdp.fsdp import foreign_bridge
 
 # A suite as Megatron-LM's unit tests are written: its own process group, NCCL, set_device by
 # local rank, barriers with device ids; no marker, no fixture of the plugin.
@@ -320,3 +325,52 @@ def test_a_timeout_fails_the_test_on_every_rank_and_the_session_goes_on(agreeing
     else:  # the parent ends the rank set and goes on in a fresh one
         assert "timed out: the test exceeded its 4 s timeout" in section.split("\n", 2)[1], section[:300]
     assert "PASSED test_agreeing.py::test_after_the_timeout" in agreeing.out.splitlines()
+
+
+# A test as Megatron-Bridge's test_fsdp_pretrain_basic is written, against stand-ins of the Bridge
+# modules the switches act on (tests/fake_bridge.py): imports Bridge, validates a config for GPUs.
+BRIDGE_SUITE = """
+from types import SimpleNamespace
+
+from megatron.bridge.models import gpt_provider
+from megatron.bridge.peft import lora_layers  # imports transformer_engine at its top
+from megatron.bridge.training.config import ConfigContainer
+
+
+def test_bridges_config_is_switched_for_cpu_ranks():
+    model = SimpleNamespace(apply_rope_fusion=True, persist_layer_norm=True, masked_softmax_fusion=True,
+                            transformer_layer_spec=gpt_provider.default_layer_spec)
+    config = ConfigContainer(model, SimpleNamespace(pin_memory=True))
+    config.validate()
+    assert config.seen["transformer_layer_spec"] is gpt_provider.local_layer_spec
+    switched = ("apply_rope_fusion", "pin_memory", "compile_disabled")
+    assert [config.seen[k] for k in switched] == [False, False, True]
+"""
+
+
+def test_a_bridge_suite_gets_its_switches_each_printed_once(inner_session, tmp_path):
+    fakes = write_fake_bridge(tmp_path / "fake-bridge")
+    scenario = inner_session(
+        {"test_bridge_suite.py": BRIDGE_SUITE},
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        torchrun=True,
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(fakes), os.environ.get("PYTHONPATH", "")]))},
+        timeout=240,
+    )
+    assert scenario.result.ret == 0, scenario.out[-3000:]
+    scenario.result.assert_outcomes(passed=1)
+    for line in foreign_bridge.switch_lines():
+        assert scenario.out.count(line) == 1, scenario.out[-3000:]  # rank 0's, at the session start
+
+
+def test_a_suite_without_bridge_prints_no_switch(inner_session):
+    scenario = inner_session(
+        {"test_gpu_suite.py": GPU_SUITE},
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        torchrun=True,
+        timeout=240,
+    )
+    assert scenario.result.ret == 0, scenario.out[-3000:]
+    assert "Megatron-Bridge on CPU ranks" not in scenario.out

@@ -38,14 +38,14 @@ def _snapshot():
         },
         "from_group": dm.DeviceMesh.__dict__["from_group"],
         "init_device_mesh": dm.init_device_mesh,
-        **{f"dist.{n}": getattr(torch.distributed, n) for n in PREMUL_SUM_ENTRY_POINTS},
+        **{f"dist.{n}": getattr(torch.distributed, n) for n in COLLECTIVE_ENTRY_POINTS},
         "c10d.ProcessGroupGloo": torch.distributed.distributed_c10d.ProcessGroupGloo,
         "autograd._engine_run_backward": torch.autograd._engine_run_backward,
         "graph._engine_run_backward": torch.autograd.graph._engine_run_backward,
     }
 
 
-PREMUL_SUM_ENTRY_POINTS = ("_make_nccl_premul_sum", "reduce_scatter_tensor", "all_reduce")
+COLLECTIVE_ENTRY_POINTS = ("_make_nccl_premul_sum", "reduce_scatter_tensor", "all_reduce", "all_gather")
 
 
 def test_disable_restores_every_original_object():

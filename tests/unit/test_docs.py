@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import re
 import types
 from pathlib import Path
@@ -82,7 +83,7 @@ def test_the_pages_exist() -> None:
     expected = {
         "README.md", "how-it-works.md", "test-api.md", "options.md", "checkpoints.md",
         "metrics-and-reports.md", "cpu-mode-vs-gpus.md", "gpu-runners.md", "troubleshooting.md",
-        "known-bugs.md", "development.md", "measurements.md",
+        "known-bugs.md", "development.md", "measurements.md", "upstream-suites.md", "gpu-only-causes.md",
     }  # fmt: skip
     assert expected <= {page.name for page in DOCS.glob("*.md")}
     index = (DOCS / "README.md").read_text(encoding="utf-8")
@@ -246,6 +247,80 @@ def test_every_known_bug_has_a_section_and_a_test() -> None:
         if not generator.tests_showing(ROOT, constants.get(id(bug), key.upper()), key)
     ]
     assert not untested, f"known bugs no test refers to: {untested}"
+
+
+def _causes_generator() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "generate_gpu_only_causes", DOCS / "generate_gpu_only_causes.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_only_causes_page_is_generated_from_the_causes_and_the_recorded_run() -> None:
+    expected = _causes_generator().render(ROOT)
+    actual = (DOCS / "gpu-only-causes.md").read_text(encoding="utf-8")
+    assert actual == expected, (
+        "docs/gpu-only-causes.md disagrees with CAUSES in fsdp/gpu_only.py or docs/gpu-only-tests.json: "
+        "run `make docs`"
+    )
+
+
+def test_the_recorded_run_names_only_maintained_causes() -> None:
+    """A cause renamed or dropped in CAUSES leaves its recorded tests under no section of the page:
+    record a run again (`make upstream`, `make upstream-record`) or rename the key in the data file."""
+    from pytest_megatron_fsdp.fsdp.gpu_only import CAUSES
+
+    data = json.loads((DOCS / "gpu-only-tests.json").read_text(encoding="utf-8"))
+    assert data["recorded"][:4].isdigit()
+    assert data["stack"]["packages"]["torch"]
+    assert set(data["causes"]) <= {cause.name for cause in CAUSES}
+
+
+def test_a_recorded_summary_lists_each_gpu_only_test_under_its_cause() -> None:
+    generator = _causes_generator()
+    run = {
+        "world_size": 2, "tests_given": ["tests/a"], "finished": True, "stopped": None, "wall_s": 12.5,
+        "totals": {"passed": 1, "gpu-only": 2, "skipped": 1, "xfailed": 0, "failed": 0, "error": 0},
+        "tests": {
+            "tests/a/test_x.py::test_te": {"outcome": "gpu-only", "cause": "Transformer Engine"},
+            "tests/a/test_y.py": {"outcome": "gpu-only", "cause": "Transformer Engine"},
+            "tests/a/test_x.py::test_ok": {"outcome": "passed"},
+            "tests/a/test_x.py::test_8": {"outcome": "skipped", "reason": "needs 8 GPUs"},
+        },
+    }  # fmt: skip
+    stopped = run | {"world_size": 4, "finished": False, "stopped": "wall limit 9 s reached"}
+    git = {"commit": "d98e8a64dd12", "date": "2026-08-22"}
+    summary = {
+        "recorded": "2026-12-04T10:00:00+00:00",
+        "stack": {
+            "checkouts": {"MEGATRON_LM": {"path": "/m", "git": git}},
+            "python": "3.12.1", "packages": {"torch": "2.14.1"},
+            "cpu": {"model": "Intel Xeon", "cores": 2, "flags": ["avx512_bf16"]},
+        },
+        "runs": {"ws2": run, "ws4": stopped},
+    }  # fmt: skip
+    data = generator.record(summary)
+    assert data["causes"] == {
+        "Transformer Engine": {
+            "tests/a/test_x.py::test_te": ["ws2", "ws4"],
+            "tests/a/test_y.py": ["ws2", "ws4"],
+        }
+    }
+    page = generator.render(ROOT, data)
+    assert (
+        "The recorded run (2026-12-04): the MEGATRON_LM checkout (d98e8a64dd of 2026-08-22), Python 3.12.1, "
+        "torch 2.14.1, 2-core Intel Xeon (avx512_bf16)." in page
+    )
+    assert "- `ws4`: world size 4, `tests/a`: did not finish (wall limit 9 s reached); 1 passed" in page
+    assert "| `GPU-only: Transformer Engine` | `transformer_engine` cannot be imported; " in page
+    section = page[page.index("## Transformer Engine") :]
+    assert "covered in the recorded run: 2:\n\n- `tests/a/test_x.py::test_te` (ws2, ws4)\n" in section
+    assert "test_ok" not in page
+    assert "test_8" not in page
+    assert "## mamba_ssm (CUDA kernels)" in page  # a cause no test showed still has its section
+    assert "Upstream tests it covered in the recorded run: 0." in page[page.index("## mamba_ssm") :]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())

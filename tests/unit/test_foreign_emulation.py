@@ -168,3 +168,14 @@ def test_the_mixed_precision_optimizers_see_the_devices_type_names(foreign):
     exec("def _build_model_and_main_param_groups(p):\n    return p.type()\n", namespace)
     assert namespace["_build_model_and_main_param_groups"](torch.ones(1)) == "torch.cuda.FloatTensor"
     assert torch.ones(1).type() == "torch.FloatTensor"  # anyone else: as usual
+
+
+def test_torchs_optimizers_step_on_the_emulated_device(foreign):
+    # with an accelerator present, torch.optim asks its current stream whether a CUDA graph is being
+    # captured before every step: on the emulated device none ever is
+    assert torch.accelerator.current_stream().is_capturing() is False
+    assert torch.cuda.is_current_stream_capturing() is False
+    parameter = torch.nn.Parameter(torch.ones(2, device="cuda"))
+    parameter.grad = torch.ones(2)
+    torch.optim.Adam([parameter], lr=0.5).step()
+    assert parameter.detach().tolist() == pytest.approx([0.5, 0.5])  # Adam's first step: lr * sign

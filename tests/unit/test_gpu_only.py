@@ -37,6 +37,25 @@ def _no_module(name):
             "mamba_ssm",
         ),
         (ModuleNotFoundError("No module named 'mamba_ssm'", name="mamba_ssm"), "mamba_ssm"),
+        (
+            ImportError(
+                "Transformer Engine is not installed. "
+                "Please install it with `pip install transformer-engine`."
+                " when instantiating MoETransformerLayer"
+            ),
+            "Transformer Engine",
+        ),
+        (
+            AssertionError("assert device(type='cpu') == device(type='cuda', index=0)"),
+            "CUDA device placement",
+        ),
+        (
+            AssertionError(
+                "assert device(type='cpu') == device(type='cuda', index=1)\n"
+                " +  where device(type='cpu') = DTensor(...).device"
+            ),
+            "CUDA device placement",
+        ),
     ],
 )
 def test_each_cause_by_its_signs(exc, cause):
@@ -65,6 +84,17 @@ def test_a_cause_deeper_in_the_chain_counts():
         RuntimeError("apply_rope_fusion is not available. Please install TE >= 1.4."),  # another class
         ValueError("TE >= 1.4 is fine"),
         RuntimeError("Found no NVIDIA driver on your system."),  # the emulation's job, not a GPU-only cause
+        # the emulation's own classes only: a look-alike of another class stays a failure
+        RuntimeError(
+            "the emulated CUDA device (a CPU rank) has no CUDA graphs: torch.cuda.CUDAGraph needs a GPU"
+        ),
+        ValueError("has no CUDA memory accounting"),
+        ImportError("Transformer Engine is not installed."),  # not megatron's full sentence
+        # device placement: only a CPU tensor asserted to be on a CUDA device
+        AssertionError("assert device(type='cuda', index=0) == device(type='cuda', index=1)"),
+        AssertionError("assert device(type='cpu') == device(type='meta')"),
+        RuntimeError("assert device(type='cpu') == device(type='cuda', index=0)"),
+        AssertionError("assert 94074144032192 == 94074144189696"),
     ],
 )
 def test_anything_else_is_a_real_failure(exc):
@@ -85,3 +115,21 @@ def test_a_collection_errors_text_names_its_cause():
     assert gpu_only.cause_in("E   ModuleNotFoundError: No module named 'click'") is None
     # the class and the message must be on one line
     assert gpu_only.cause_in("E   ValueError: bad\nis not available. Please install TE") is None
+
+
+@pytest.mark.parametrize(
+    ("feature", "cause"),
+    [
+        ("CUDA graphs", "CUDA graphs"),
+        ("symmetric memory", "symmetric memory"),
+        ("CUDA memory accounting", "CUDA memory accounting"),
+        ("CUDA kernel trace", "CUDA kernel trace (profiler)"),
+    ],
+)
+def test_what_the_emulated_device_lacks_by_the_errors_class_and_text(feature, cause):
+    # the emulation's error (harness/device_limits.py), known here by its class name and text only
+    lacks = type("EmulatedDeviceLacks", (RuntimeError,), {})
+    found = gpu_only.cause_of(lacks(f"the emulated CUDA device (a CPU rank) has no {feature}: x needs a GPU"))
+    assert found is not None
+    assert found.name == cause
+    assert gpu_only.cause_of(lacks(f"{feature} is fine")) is None  # the text must say it has none

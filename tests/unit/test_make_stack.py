@@ -65,3 +65,120 @@ def test_a_release_or_a_directory_without_megatron_fsdp_leaves_it_to_the_extras(
     assert _planned(tmp_path, "MEGATRON_CORE=megatron-core==0.19.2")["megatron-fsdp"] == ""
     (tmp_path / "not-a-checkout").mkdir()
     assert _planned(tmp_path, f"MEGATRON_CORE=-e {tmp_path / 'not-a-checkout'}")["megatron-fsdp"] == ""
+
+
+def _upstream_plan(tmp_path: Path, *assignments: str) -> str:
+    """What ``make -n upstream`` would run (the venv's sub-make dry-runs too)."""
+    done = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(REPO), "upstream", "PYTHON=python3", *assignments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_make_upstream_runs_the_checkouts_tests_against_its_own_megatron_core(tmp_path, checkout):
+    """MEGATRON_LM alone: megatron-core and megatron-fsdp from that checkout, in a venv of its own (the
+    stack's usual venv is not rebuilt); the input is checked before that venv is built."""
+    plan = _upstream_plan(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}/")
+    spec = re.search(r"echo '([^']*)' > \.venv-newest-upstream/\.installed", plan)
+    assert spec is not None, plan
+    assert (
+        f"megatron-core=-e {checkout} megatron-fsdp=-e {checkout}/megatron/core/distributed/fsdp/src"
+        in spec[1]
+    )
+    check = plan.index(f"python3 -m bench.upstream --check --megatron-lm='{checkout}/'")
+    assert check < plan.index(".venv-newest-upstream/.installed")
+    assert f".venv-newest-upstream/bin/python -m bench.upstream --megatron-lm='{checkout}/'" in plan
+
+
+def test_make_upstream_keeps_a_given_venv_and_megatron_core(tmp_path, checkout):
+    venv = tmp_path / "venv"
+    plan = _upstream_plan(
+        tmp_path, f"MEGATRON_LM={checkout}", f"VENV={venv}", "MEGATRON_CORE=megatron-core==0.19.2"
+    )
+    assert "megatron-core=megatron-core==0.19.2 " in plan
+    assert f"{venv}/bin/python -m bench.upstream" in plan
+    # and the other targets ignore MEGATRON_LM: `make smoke` keeps the stack's pins and venv
+    smoke = _planned(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}")
+    assert smoke["megatron-core"] == "megatron-core==0.19.2"
+
+
+@pytest.fixture
+def bridge_checkout(tmp_path: Path) -> Path:
+    """A Megatron-Bridge checkout's layout, its Megatron-LM submodule not checked out."""
+    root = tmp_path / "Megatron-Bridge"
+    (root / "src" / "megatron" / "bridge").mkdir(parents=True)
+    (root / "src" / "megatron" / "bridge" / "__init__.py").write_text("")
+    (root / "3rdparty" / "Megatron-LM").mkdir(parents=True)
+    return root
+
+
+def _make_n(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["make", "-n", "--no-print-directory", "-C", str(REPO), "PYTHON=python3", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("assignments", "says"),
+    [
+        ((), "STACK=bridge needs MEGATRON_BRIDGE: set MEGATRON_BRIDGE=/path/to/Megatron-Bridge"),
+        (("MEGATRON_BRIDGE={tmp}",), "MEGATRON_BRIDGE={tmp} holds no src/megatron/bridge: set it to a"),
+        (
+            ("MEGATRON_BRIDGE={bridge}",),
+            "MEGATRON_CORE: {bridge}/3rdparty/Megatron-LM is empty: run git submodule",
+        ),
+    ],
+)
+def test_the_bridge_stack_refuses_a_missing_input_in_one_line(tmp_path, bridge_checkout, assignments, says):
+    values = {"tmp": tmp_path, "bridge": bridge_checkout}
+    done = _make_n("bridge-test", *(a.format(**values) for a in assignments))
+    assert done.returncode == 2
+    assert says.format(**values) in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_the_bridge_stack_installs_bridge_without_its_dependencies_then_what_its_test_imports(
+    tmp_path, checkout, bridge_checkout
+):
+    (bridge_checkout / "3rdparty" / "Megatron-LM" / "megatron" / "core").mkdir(parents=True)
+    planned = _planned(tmp_path, "STACK=bridge", f"MEGATRON_BRIDGE={bridge_checkout}")
+    assert planned["megatron-core"] == f"-e {bridge_checkout}/3rdparty/Megatron-LM"  # Bridge's own pin
+    assert f"megatron-bridge={bridge_checkout} bridge-deps=transformers>=5.8,<=5.12.1 " in planned["spec"]
+    plan = _make_n("venv", "STACK=bridge", f"VENV={tmp_path / 'venv'}", f"MEGATRON_BRIDGE={bridge_checkout}")
+    assert f"pip install -q --no-deps -e '{bridge_checkout}'" in plan.stdout
+    assert "'nvidia-resiliency-ext==0.6.0'" in plan.stdout
+    assert "transformer-engine" not in plan.stdout.lower()
+    assert "transformer_engine" not in plan.stdout
+    given = _planned(
+        tmp_path, "STACK=bridge", f"MEGATRON_BRIDGE={bridge_checkout}", f"MEGATRON_CORE=-e {checkout}"
+    )
+    assert given["megatron-core"] == f"-e {checkout}"
+
+
+def test_make_bridge_test_runs_the_test_from_the_checkout_in_the_bridge_venv(tmp_path, bridge_checkout):
+    (bridge_checkout / "3rdparty" / "Megatron-LM" / "megatron" / "core").mkdir(parents=True)
+    junit = tmp_path / "bridge.xml"
+    plan = _make_n("bridge-test", f"MEGATRON_BRIDGE={bridge_checkout}", f"JUNIT={junit}").stdout
+    assert f"cd '{bridge_checkout}'" in plan
+    assert ".venv-bridge/bin/python -c" in plan  # the venv's stack line names this stack
+    assert "print('stack: bridge ('" in plan
+    assert (
+        f"'{REPO}/.venv-bridge/bin/python' -m torch.distributed.run --standalone --nproc_per_node=2" in plan
+    )
+    for argument in (
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        f"--junitxml='{junit}'",
+        "test_megatron_fsdp.py::TestMegatronFSDP::test_fsdp_pretrain_basic",
+        "-m bench.bridge_loss",
+    ):
+        assert argument in plan, plan
+    without = _make_n("bridge-test", f"MEGATRON_BRIDGE={bridge_checkout}").stdout
+    assert "--junitxml" not in without

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_megatron_fsdp.harness import protocol
+from pytest_megatron_fsdp.harness import owned_temp, protocol
 from pytest_megatron_fsdp.harness.session import TorchrunEnv
 from pytest_megatron_fsdp.roles import AwaitingUse, LaunchedRank, ProcessRole, RankPlugin, Role, TorchrunRank
 from pytest_megatron_fsdp.roles.deciding import PLUGINS
-from pytest_megatron_fsdp.roles.ranks import KINDS, RANK_TEMP
+from pytest_megatron_fsdp.roles.ranks import KINDS, RANK_TEMP, RUN_TEMP
 
 RANK1 = TorchrunEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
 
@@ -59,7 +59,7 @@ def test_a_launched_rank_keeps_its_temp_dirs_in_the_batch_dir_its_parent_removes
     assert kind.shared_root(config, "/given") == "/given"
 
 
-def test_a_torchrun_rank_has_a_temp_tree_of_its_own_that_holds_its_basetemp(tmp_path, monkeypatch):
+def test_a_torchrun_rank_has_a_temp_tree_of_its_own_that_holds_its_basetemp(pytester, tmp_path, monkeypatch):
     kind = TorchrunRank()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")
@@ -71,7 +71,8 @@ def test_a_torchrun_rank_has_a_temp_tree_of_its_own_that_holds_its_basetemp(tmp_
     assert private.is_dir()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(private / "torchinductor")
 
-    config = SimpleNamespace(option=SimpleNamespace(basetemp=None), stash=pytest.Stash())
+    config = pytester.parseconfig("-p", "no:randomly")
+    config.option.basetemp = None
     config.stash[RANK_TEMP] = private
     assert kind.basetemp(config, RANK1) == str(private / "basetemp")
     # an explicit --basetemp is split per rank (its parents made) and kept
@@ -121,3 +122,30 @@ def test_only_a_rank_of_an_srun_step_ends_its_session_on_sigterm():
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_foreign_suites_ranks_share_their_basetemps_parent(pytester, tmp_path, monkeypatch):
+    # Megatron-LM's tmp_path_dist_ckpt shares a checkpoint dir through basetemp's parent:
+    # tmp_path_factory.mktemp("ignored", numbered=False).parent.parent / "tmp_dist_ckpt"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    kind = TorchrunRank()
+    launch = [
+        TorchrunEnv(rank=r, world_size=2, local_rank=r, local_world_size=2, run_id="5c1d-x/y") for r in (0, 1)
+    ]
+    configs = [pytester.parseconfig("-p", "no:randomly", "--mfsdp-foreign-suite=true") for _ in launch]
+    for config in configs:
+        config.option.basetemp = None  # pytester gives one: torchrun's ranks are given none
+    basetemps = [Path(kind.basetemp(config, rank)) for config, rank in zip(configs, launch, strict=True)]
+    assert [b.name for b in basetemps] == ["rank0", "rank1"]
+    shared = basetemps[0].parent
+    assert basetemps[1].parent == shared  # what upstream's mktemp(...).parent.parent finds
+    assert shared.parent == tmp_path
+    assert shared.name.startswith(f"mfsdp-run-{owned_temp.owner_tag(os.getppid())}-5c1d-xy")
+    assert all(config.stash[RUN_TEMP] == shared for config in configs)
+    # its owner is the launcher (here: this process's parent): swept only once that has ended
+    assert owned_temp.sweep([tmp_path]) == []
+    # the plugin's own tests keep one private basetemp per rank
+    plain = pytester.parseconfig("-p", "no:randomly")
+    plain.option.basetemp = None
+    plain.stash[RANK_TEMP] = tmp_path / "private"
+    assert kind.basetemp(plain, launch[1]) == str(tmp_path / "private" / "basetemp")

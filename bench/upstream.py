@@ -1,0 +1,697 @@
+"""``make upstream``: Megatron-LM's own Megatron-FSDP tests, unchanged, on CPU ranks, one run per world size.
+
+Each run is ``python -m torch.distributed.run --standalone --nproc_per_node=<ws> -m pytest
+--mfsdp-platform=cpu --mfsdp-foreign-suite=true --junitxml=<results>/<run>.xml <tests>`` from the
+checkout's root (its tests import ``tests.…``), its output in ``<results>/<run>.log``. The runs go
+one after the other, each under a wall limit: on overrun the torchrun agent gets SIGINT (it passes it
+on to its ranks, whose pytest ends the session as interrupted and writes the JUnit file of the tests
+finished so far), and whatever is left after a grace period is SIGKILLed, the ranks' own sessions
+included (torchrun starts each rank in a session of its own). A run that did not finish is reported
+as such, with whatever JUnit it wrote.
+
+Then a table per run (file | passed | GPU-only skips | other skips | xfailed | failed | errors |
+time) and totals, and ``<results>/summary.json``: per run, per file and per test id its outcome and
+skip reason, and the stack (the checkout's commit where git can tell, the installed versions, the
+CPU). ``docs/generate_gpu_only_causes.py --record`` turns that summary into the data of
+docs/gpu-only-causes.md.
+
+A run is one entry of data (:class:`Run`): the world sizes of the Megatron-LM suites give one each;
+Megatron-Bridge's (``--megatron-bridge``, run ``bridge``) is one more once :data:`BRIDGE_TESTS`
+names its tests.
+
+Bad input (a missing or wrong checkout, a test path not in it, a world size that is no number) stops
+in one line naming the variable, the value and the fix, exit status 2, before anything starts; the
+Makefile runs that check (``--check``) with the stack's base Python before it builds the venv. The
+parsing and the tables are plain functions of JUnit files (stdlib ``xml.etree``).
+
+    python -m bench.upstream --megatron-lm /path/to/Megatron-LM [--tests "..."] [--world-sizes "2 4"]
+
+Exit status: 0 when every run finished with no failure or error, 1 otherwise, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+#: what ``make upstream`` runs when UPSTREAM_TESTS is not given (paths in the Megatron-LM checkout)
+DEFAULT_TESTS = (
+    "tests/unit_tests/distributed/mfsdp_v1",
+    "tests/unit_tests/distributed/mfsdp_v2",
+    "tests/unit_tests/transformer/test_fsdp_dtensor_checkpoint.py",
+)
+DEFAULT_WORLD_SIZES = (2, 4)
+#: what a checkout's root holds (its tests import ``tests.…`` from there)
+MEGATRON_LM_LAYOUT = ("megatron/core", "tests/unit_tests")
+BRIDGE_LAYOUT = ("src/megatron/bridge", "tests")
+DEFAULT_RESULTS = "upstream-results"
+#: seconds one run may take before it is interrupted (UPSTREAM_WALL)
+DEFAULT_WALL_S = 3600.0
+#: seconds an interrupted run has to write its JUnit file before everything left is killed; the
+#: torchrun agent itself waits 30 s for its ranks before it SIGKILLs them
+DEFAULT_GRACE_S = 60.0
+#: Megatron-Bridge's tests for the run named ``bridge`` (paths in the Megatron-Bridge checkout) and
+#: its world size: empty until that run is built, so that MEGATRON_BRIDGE is refused in one line
+BRIDGE_TESTS: tuple[str, ...] = ()
+BRIDGE_WORLD_SIZE = 2
+#: the pytest arguments of every run: CPU ranks, the foreign-suite mode, nothing written into the
+#: checkout (no .pytest_cache), JUnit with each test's file (xunit1's ``file`` attribute)
+PYTEST_ARGS = (
+    "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--mfsdp-foreign-suite=true",
+    "-o", "junit_family=xunit1",
+)  # fmt: skip
+#: the columns of the per-file table, each an outcome of :func:`outcome_of` (time comes last)
+COLUMNS = (
+    ("passed", "passed"),
+    ("GPU-only skips", "gpu-only"),
+    ("other skips", "skipped"),
+    ("xfailed", "xfailed"),
+    ("failed", "failed"),
+    ("errors", "error"),
+)
+
+
+class BadInput(Exception):
+    """One line naming the variable, its value and the fix."""
+
+
+# -- what runs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One named run: a checkout's tests on ``world_size`` CPU ranks, JUnit into ``<name>.xml``."""
+
+    name: str
+    checkout: Path
+    tests: tuple[str, ...]
+    world_size: int
+    #: the variable that named the checkout, for messages
+    variable: str = "MEGATRON_LM"
+
+    def command(self, python: str, junit: Path) -> list[str]:
+        return [
+            python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world_size}",
+            "-m", "pytest", *PYTEST_ARGS, f"--junitxml={junit}", *self.tests,
+        ]  # fmt: skip
+
+
+def _words(text: str) -> list[str]:
+    return text.replace(",", " ").split()
+
+
+def world_sizes(text: str) -> tuple[int, ...]:
+    """UPSTREAM_WORLD_SIZES (``"2 4"``) as numbers."""
+    sizes = []
+    for word in _words(text):
+        if not word.isdigit() or int(word) < 1:
+            raise BadInput(
+                f"UPSTREAM_WORLD_SIZES={text!r}: {word!r} is not a world size (a whole number of ranks, "
+                f'at least 1); e.g. UPSTREAM_WORLD_SIZES="2 4"'
+            )
+        sizes.append(int(word))
+    if not sizes:
+        raise BadInput(f'UPSTREAM_WORLD_SIZES={text!r} names no world size; e.g. UPSTREAM_WORLD_SIZES="2 4"')
+    return tuple(dict.fromkeys(sizes))
+
+
+def checkout(variable: str, value: str, name: str, markers: tuple[str, ...]) -> Path:
+    """The checkout ``variable`` names: an existing directory holding each of ``markers``."""
+    example = f"make upstream {variable}=/path/to/{name}"
+    if not value.strip():
+        raise BadInput(f"{variable} is not set: give the {name} checkout whose tests to run, e.g. {example}")
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        raise BadInput(
+            f"{variable}={value}: no such directory; give the {name} checkout's root, e.g. {example}"
+        )
+    missing = [marker for marker in markers if not (path / marker).exists()]
+    if missing:
+        raise BadInput(
+            f"{variable}={value} is not a {name} checkout's root (no {' or '.join(missing)} in it); give "
+            f"the directory that holds {' and '.join(markers)}, e.g. {example}"
+        )
+    return path.resolve()
+
+
+def given_tests(text: str, root: Path, variable: str, default: Sequence[str]) -> tuple[str, ...]:
+    """UPSTREAM_TESTS's paths (default: ``default``), each checked to exist in the checkout
+    (a node id's file part: ``path::test``)."""
+    paths = tuple(_words(text)) or tuple(default)
+    for path in paths:
+        file_part = path.split("::", 1)[0]
+        if Path(file_part).is_absolute() or not (root / file_part).exists():
+            raise BadInput(
+                f"UPSTREAM_TESTS: {path} is not in {variable}={root}; give paths relative to the "
+                f"checkout's root, e.g. UPSTREAM_TESTS={DEFAULT_TESTS[0]}"
+            )
+    return paths
+
+
+def wall_limit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise BadInput(f"UPSTREAM_WALL={text!r}: not a positive number of seconds; e.g. UPSTREAM_WALL=3600")
+    return value
+
+
+def results_dir(text: str) -> Path:
+    path = Path(text or DEFAULT_RESULTS)
+    if path.exists() and not path.is_dir():
+        raise BadInput(
+            f"UPSTREAM_RESULTS={text}: a file, not a directory; give a directory, e.g. {DEFAULT_RESULTS}"
+        )
+    return path
+
+
+def plan(args: argparse.Namespace) -> list[Run]:
+    """The runs, every input checked (:class:`BadInput` on the first bad one)."""
+    mlm = checkout("MEGATRON_LM", args.megatron_lm, "Megatron-LM", MEGATRON_LM_LAYOUT)
+    tests = given_tests(args.tests, mlm, "MEGATRON_LM", DEFAULT_TESTS)
+    runs = [Run(f"ws{size}", mlm, tests, size) for size in world_sizes(args.world_sizes)]
+    if args.megatron_bridge:
+        bridge = checkout("MEGATRON_BRIDGE", args.megatron_bridge, "Megatron-Bridge", BRIDGE_LAYOUT)
+        if not BRIDGE_TESTS:
+            raise BadInput(
+                f"MEGATRON_BRIDGE={args.megatron_bridge}: the Megatron-Bridge run is not built yet "
+                "(bench/upstream.py's BRIDGE_TESTS is empty); leave MEGATRON_BRIDGE unset"
+            )
+        bridge_tests = given_tests("", bridge, "MEGATRON_BRIDGE", BRIDGE_TESTS)
+        runs.append(Run("bridge", bridge, bridge_tests, BRIDGE_WORLD_SIZE, "MEGATRON_BRIDGE"))
+    wall_limit(args.wall)
+    results_dir(args.results)
+    return runs
+
+
+# -- JUnit -> outcomes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TestResult:
+    file: str
+    outcome: str  # passed | gpu-only | skipped | xfailed | failed | error
+    reason: str | None
+    time_s: float
+
+
+def gpu_only_cause(reason: str | None) -> str | None:
+    """The cause a skip reason names when it is a GPU-only skip (``GPU-only: <cause>``), else None."""
+    from pytest_megatron_fsdp.fsdp import gpu_only
+
+    prefix = gpu_only.GpuOnlyCause("").reason()  # the one place the reason's form is stated
+    if reason is None or not reason.startswith(prefix):
+        return None
+    return reason[len(prefix) :]
+
+
+def _skip_reason(element: ET.Element) -> str:
+    """A skip's reason: the message, or for a whole module skipped at collection (message
+    ``collection skipped``) the reason in its text, which is ``(path, line, reason)``."""
+    message = element.get("message", "")
+    if message != "collection skipped":
+        return message
+    text = (element.text or "").strip()
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text or message
+    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[2], str):
+        return value[2].removeprefix("Skipped: ")
+    return text
+
+
+def outcome_of(case: ET.Element) -> tuple[str, str | None]:
+    """(outcome, reason) of a JUnit testcase: a failure counts before an error (a failed call with a
+    failed teardown is a failed test), a skip of type ``pytest.xfail`` is an xfail."""
+    children = {child.tag: child for child in case}
+    for tag, outcome in (("failure", "failed"), ("error", "error")):
+        if tag in children:
+            return outcome, children[tag].get("message")
+    skipped = children.get("skipped")
+    if skipped is None:
+        return "passed", None
+    reason = _skip_reason(skipped)
+    if skipped.get("type") == "pytest.xfail":
+        return "xfailed", reason
+    return ("gpu-only" if gpu_only_cause(reason) is not None else "skipped"), reason
+
+
+def _module_file(parts: list[str], root: Path | None) -> tuple[str, list[str]]:
+    """(file, the names after it) of a dotted address: the longest prefix that is a ``.py`` file in
+    ``root``; without one, the prefix before the first capitalised name (a test class)."""
+    if root is not None:
+        for end in range(len(parts), 0, -1):
+            candidate = "/".join(parts[:end]) + ".py"
+            if (root / candidate).is_file():
+                return candidate, parts[end:]
+    end = next((i for i, part in enumerate(parts) if part[:1].isupper()), len(parts))
+    return "/".join(parts[:end]) + ".py", parts[end:]
+
+
+def node_id(case: ET.Element, root: Path | None = None) -> tuple[str, str]:
+    """(file, pytest node id) of a JUnit testcase. The file is xunit1's ``file`` attribute; a JUnit
+    file without it (xunit2) is resolved against the checkout ``root``. A module's own entry (a
+    collection error or skip) has the file as its id."""
+    classname, name = case.get("classname", ""), case.get("name", "")
+    if classname == "pytest" and name == "internal":
+        return "(pytest internal error)", "pytest::internal"
+    given = case.get("file")
+    if given:
+        module = given.removesuffix(".py").replace("/", ".").replace("\\", ".")
+        if not classname and name == module:
+            return given, given
+        rest = classname[len(module) + 1 :].split(".") if classname.startswith(module + ".") else []
+        return given, "::".join([given, *rest, name])
+    if not classname:  # a module's own entry: the name is its dotted path
+        file, _ = _module_file(name.split("."), root)
+        return file, file
+    file, rest = _module_file(classname.split("."), root)
+    return file, "::".join([file, *rest, name])
+
+
+@dataclass
+class JunitResults:
+    tests: dict[str, TestResult] = field(default_factory=dict)
+    #: why the file could not be read (absent, cut short by a kill), None when it was
+    problem: str | None = None
+    #: testcases without a name: an interrupted session writes one for the test it cut short
+    unnamed: int = 0
+
+
+def read_junit(path: Path, root: Path | None = None) -> JunitResults:
+    """Every test of a JUnit file by node id (a test reported twice counts once: its last report)."""
+    if not path.exists():
+        return JunitResults(problem="no JUnit file written")
+    try:
+        tree = ET.parse(path)
+    except ET.ParseError as error:
+        return JunitResults(problem=f"JUnit file unreadable ({error})")
+    results = JunitResults()
+    for case in tree.getroot().iter("testcase"):
+        if not case.get("name"):
+            results.unnamed += 1
+            continue
+        file, nodeid = node_id(case, root)
+        outcome, reason = outcome_of(case)
+        try:
+            seconds = float(case.get("time", "0") or 0)
+        except ValueError:
+            seconds = 0.0
+        results.tests[nodeid] = TestResult(file, outcome, reason, seconds)
+    return results
+
+
+def per_file(tests: dict[str, TestResult]) -> dict[str, dict[str, float]]:
+    """file -> count per outcome and ``time_s``, files in order of their first test."""
+    files: dict[str, dict[str, float]] = {}
+    for result in tests.values():
+        row = files.setdefault(result.file, {key: 0 for _, key in COLUMNS} | {"time_s": 0.0})
+        row[result.outcome] += 1
+        row["time_s"] += result.time_s
+    return files
+
+
+def totals(rows: Iterable[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {key: 0 for _, key in COLUMNS} | {"time_s": 0.0}
+    for row in rows:
+        for key in total:
+            total[key] += row[key]
+    return total
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    run: Run
+    junit: Path
+    log: Path
+    #: the command's exit status; None when it was stopped at the wall limit
+    status: int | None
+    wall_s: float
+    limit_s: float
+    #: how an overrun ended, None when the run finished
+    stopped: str | None = None
+    #: processes still running after the run (or its stop) that were killed
+    leftovers: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped is None
+
+
+def _proc_stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, start time) of a live process from /proc, None if gone (or no /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    if fields[0] == "Z":
+        return None  # a zombie: dead, only not reaped
+    return int(fields[1]), fields[19]
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live descendant of ``root`` (pid -> its start time, so a reused pid is told apart)."""
+    parents: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            stat = _proc_stat(int(entry))
+            if stat is not None:
+                parents.setdefault(stat[0], []).append((int(entry), stat[1]))
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        for pid, started in parents.get(todo.pop(), []):
+            if pid not in found:
+                found[pid] = started
+                todo.append(pid)
+    return found
+
+
+def kill_all(processes: dict[int, str]) -> int:
+    """SIGKILL each process still alive as the one seen (same start time), and reap those that are
+    this process's children (orphans it took over as subreaper); how many were alive."""
+    killed = []
+    for pid, started in processes.items():
+        stat = _proc_stat(pid)
+        if stat is not None and stat[1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    for pid in killed:
+        with contextlib.suppress(ChildProcessError):  # not this process's child: its parent reaps it
+            os.waitpid(pid, 0)
+    return len(killed)
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float) -> str:
+    """End a run: SIGINT to the torchrun agent (it passes it on; pytest writes its JUnit file), then
+    after ``grace_s`` SIGKILL to the agent's session. The ranks are in sessions of their own: the
+    caller kills what is left of them. Says how it ended."""
+    try:
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=grace_s)
+        return f"interrupted (SIGINT), ended within {grace_s:g} s"
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return f"interrupted (SIGINT), still running after {grace_s:g} s: killed (SIGKILL)"
+    except ProcessLookupError:
+        proc.wait()
+        return "ended as it was interrupted"
+
+
+def execute(
+    run: Run,
+    command: Sequence[str],
+    results: Path,
+    wall_s: float,
+    grace_s: float = DEFAULT_GRACE_S,
+    env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run ``command`` for ``run`` from its checkout, output into ``<results>/<name>.log``, bounded by
+    ``wall_s``; whatever it left running afterwards is killed (and counted)."""
+    junit, log = results / f"{run.name}.xml", results / f"{run.name}.log"
+    junit.unlink(missing_ok=True)  # a previous run's file must not pass for this one's
+    start = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            list(command), cwd=run.checkout, stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        seen: dict[int, str] = {}
+        status: int | None = None
+        stopped = None
+        try:
+            while stopped is None:
+                remaining = wall_s - (time.monotonic() - start)
+                try:
+                    status = proc.wait(timeout=min(5.0, max(0.0, remaining)))
+                    break
+                except subprocess.TimeoutExpired:
+                    seen |= descendants(proc.pid)  # the ranks, while the agent still knows them
+                    if remaining <= 0:
+                        stopped = f"wall limit {wall_s:g} s reached: {stop(proc, grace_s)}"
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): no rank left behind
+            seen |= descendants(proc.pid)
+            stop(proc, grace_s)
+            kill_all(seen)
+            raise
+    leftovers = kill_all(seen)
+    return RunResult(run, junit, log, status, time.monotonic() - start, wall_s, stopped, leftovers)
+
+
+# -- stack ------------------------------------------------------------------------------------------
+
+
+def git_commit(path: Path) -> dict[str, str] | None:
+    """The checkout's commit and its date where git can tell (None: no git work tree, no git)."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(path), "log", "-1", "--format=%H %cs"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    words = done.stdout.split()
+    if done.returncode != 0 or len(words) != 2:
+        return None
+    return {"commit": words[0], "date": words[1]}
+
+
+def stack(runs: Sequence[Run]) -> dict[str, Any]:
+    """What ran: each checkout (its commit where git can tell), the installed versions (with their
+    source where not an index release), the CPU."""
+    from pytest_megatron_fsdp.fsdp.versions import package_source, package_version
+    from pytest_megatron_fsdp.harness.cpu_probe import read_cpu_facts
+
+    checkouts = {}
+    for run in runs:
+        checkouts[run.variable] = {"path": str(run.checkout), "git": git_commit(run.checkout)}
+    packages = {}
+    for name in ("torch", "megatron-core", "megatron-fsdp", "pytest"):
+        source = package_source(name)
+        packages[name] = package_version(name) + (f" ({source})" if source else "")
+    facts = read_cpu_facts()
+    return {
+        "checkouts": checkouts,
+        "python": platform.python_version(),
+        "packages": packages,
+        "cpu": {"model": facts.model, "cores": os.cpu_count(), "flags": facts.flags},
+    }
+
+
+def describe_stack(facts: dict[str, Any], paths: bool = True) -> str:
+    """One line: the checkouts (commit and date, or no git; with their paths, or not), the packages,
+    the CPU."""
+    parts = []
+    for variable, checkout_facts in facts["checkouts"].items():
+        git = checkout_facts["git"]
+        where = f"{git['commit'][:10]} of {git['date']}" if git else "no git commit"
+        parts.append(
+            f"{variable}={checkout_facts['path']} ({where})"
+            if paths
+            else f"the {variable} checkout ({where})"
+        )
+    parts.append(f"Python {facts['python']}")
+    parts += [f"{name} {version}" for name, version in facts["packages"].items()]
+    cpu = facts["cpu"]
+    flags = ", ".join(cpu["flags"]) if cpu["flags"] is not None else "flags unknown"
+    parts.append(f"{cpu['cores']}-core {cpu['model']} ({flags})")
+    return ", ".join(parts)
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s"
+
+
+def table(rows: dict[str, dict[str, float]], first: str = "file") -> list[str]:
+    """The per-file (or per-``first``) markdown table with a total row."""
+    header = [first, *(title for title, _ in COLUMNS), "time"]
+    lines = ["| " + " | ".join(header) + " |", "| --- |" + " ---: |" * (len(header) - 1)]
+    for name, row in [*rows.items(), ("**total**", totals(rows.values()))]:
+        cells = [str(int(row[key])) for _, key in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join([*cells, _seconds(row["time_s"])]) + " |")
+    return lines
+
+
+def heading(result: RunResult, parsed: JunitResults) -> str:
+    """The run's line above its table: finished or not, its exit status, and what it wrote."""
+    run = result.run
+    what = f"{run.name}: world size {run.world_size}, {' '.join(run.tests)}"
+    if result.finished:
+        state = f"finished in {_seconds(result.wall_s)}, exit status {result.status}"
+    else:
+        state = f"DID NOT FINISH after {_seconds(result.wall_s)}: {result.stopped}"
+    notes = [parsed.problem] if parsed.problem else []
+    if parsed.unnamed:
+        notes.append(f"{parsed.unnamed} testcase without a name (the test an interrupt cut short) left out")
+    failures = any(test.outcome in ("failed", "error") for test in parsed.tests.values())
+    if result.finished and result.status not in (0, 5) and not failures and not parsed.problem:
+        notes.append("rank 0 reported no failure: another rank failed or the session broke (see the log)")
+    if result.leftovers:
+        notes.append(f"{result.leftovers} processes left running were killed")
+    return f"{what}: {state}" + "".join(f"; {note}" for note in notes) + f" (log: {result.log})"
+
+
+def summary(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's content: the stack, and per run its state, per file its counts, per test id
+    its outcome (with the skip reason and, for a GPU-only skip, its cause)."""
+    runs: dict[str, Any] = {}
+    for result, parsed in results:
+        files = per_file(parsed.tests)
+        tests = {}
+        for nodeid, test in parsed.tests.items():
+            entry: dict[str, Any] = {
+                "file": test.file,
+                "outcome": test.outcome,
+                "time_s": round(test.time_s, 3),
+            }
+            if test.reason is not None:
+                entry["reason"] = test.reason
+            if test.outcome == "gpu-only":
+                entry["cause"] = gpu_only_cause(test.reason)
+            tests[nodeid] = entry
+        runs[result.run.name] = {
+            "world_size": result.run.world_size,
+            "checkout": str(result.run.checkout),
+            "tests_given": list(result.run.tests),
+            "finished": result.finished,
+            "stopped": result.stopped,
+            "exit_status": result.status,
+            "wall_s": round(result.wall_s, 1),
+            "wall_limit_s": result.limit_s,
+            "junit": str(result.junit),
+            "junit_problem": parsed.problem,
+            "junit_unnamed": parsed.unnamed,
+            "leftovers_killed": result.leftovers,
+            "files": files,
+            "totals": totals(files.values()),
+            "tests": tests,
+        }
+    return {
+        "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "stack": facts,
+        "runs": runs,
+    }
+
+
+def report(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, Any]) -> str:
+    """The printed report: the stack, then per run its heading and table, then the totals of all runs."""
+    lines = [f"stack: {describe_stack(facts)}"]
+    for result, parsed in results:
+        lines += ["", heading(result, parsed), "", *table(per_file(parsed.tests))]
+    if len(results) > 1:
+        lines += ["", "all runs:", ""]
+        rows = {result.run.name: totals(per_file(parsed.tests).values()) for result, parsed in results}
+        lines += table(rows, first="run")
+    return "\n".join(lines) + "\n"
+
+
+def clean(results: Sequence[tuple[RunResult, JunitResults]]) -> bool:
+    """Every run finished and no test failed or errored."""
+    return all(
+        result.finished
+        and not parsed.problem
+        and not any(test.outcome in ("failed", "error") for test in parsed.tests.values())
+        and result.status in (0, 5)
+        for result, parsed in results
+    )
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def _become_subreaper() -> None:
+    """Ranks orphaned by a killed torchrun agent become this process's children (Linux), so the
+    leftover check after each run finds them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.upstream", description=__doc__.splitlines()[0])
+    parser.add_argument("--megatron-lm", default="", help="the Megatron-LM checkout (MEGATRON_LM)")
+    parser.add_argument(
+        "--megatron-bridge", default="", help="the Megatron-Bridge checkout (MEGATRON_BRIDGE)"
+    )
+    parser.add_argument("--tests", default="", help="paths in the checkout (UPSTREAM_TESTS)")
+    parser.add_argument("--world-sizes", default=" ".join(map(str, DEFAULT_WORLD_SIZES)))
+    parser.add_argument("--results", default=DEFAULT_RESULTS, help="where the files go (UPSTREAM_RESULTS)")
+    parser.add_argument("--wall", default=str(DEFAULT_WALL_S), help="seconds per run (UPSTREAM_WALL)")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help=argparse.SUPPRESS)
+    parser.add_argument("--check", action="store_true", help="check the input only, then exit")
+    return parser
+
+
+def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
+    args = parser().parse_args(argv)
+    try:
+        runs = plan(args)
+    except BadInput as problem:
+        print(f"make upstream: {problem}", file=sys.stderr)
+        return 2
+    if args.check:
+        return 0
+    results = results_dir(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    wall_s = wall_limit(args.wall)
+    _become_subreaper()
+    signal.signal(signal.SIGTERM, _terminate)
+    facts = stack(runs)
+    print(f"stack: {describe_stack(facts)}", flush=True)
+    done: list[tuple[RunResult, JunitResults]] = []
+    for run in runs:
+        junit = (results / f"{run.name}.xml").resolve()
+        print(
+            f"{run.name}: {run.world_size} ranks, {' '.join(run.tests)} (wall limit {wall_s:g} s) ...",
+            flush=True,
+        )
+        result = execute(run, run.command(python, junit), results, wall_s, args.grace)
+        result.leftovers += kill_all(descendants(os.getpid()))  # orphans of a killed agent
+        done.append((result, read_junit(result.junit, run.checkout)))
+        print(heading(*done[-1]), flush=True)
+    text = report(done, facts)
+    (results / "summary.json").write_text(json.dumps(summary(done, facts), indent=1) + "\n")
+    (results / "table.md").write_text(text)
+    print("\n" + text + f"\nwritten: {results / 'summary.json'}, {results / 'table.md'}")
+    return 0 if clean(done) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

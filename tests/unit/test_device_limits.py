@@ -1,0 +1,129 @@
+"""What the emulated device lacks: under the foreign-suite layer each GPU-only entry point raises
+EmulatedDeviceLacks naming its feature, which the GPU-only causes recognise; the library's
+heuristics still read an idle device; everything is undone."""
+
+import sys
+
+import pytest
+import torch
+import torch.distributed._symmetric_memory as symm_mem
+from torch.profiler import ProfilerActivity
+
+from pytest_megatron_fsdp.fsdp import gpu_only
+from pytest_megatron_fsdp.harness import cuda_emulation, device_limits, foreign_emulation
+from pytest_megatron_fsdp.harness.device_limits import EmulatedDeviceLacks
+
+
+@pytest.fixture(autouse=True)
+def _megatron_rng_not_bound(monkeypatch):
+    # as in test_cuda_emulation.py: the emulation refuses once megatron's RNG module is imported
+    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.random", raising=False)
+
+
+@pytest.fixture
+def foreign():
+    cuda_emulation.enable()
+    foreign_emulation.enable(local_world_size=2, local_rank=0, pg_timeout_s=60)
+    try:
+        yield
+    finally:
+        foreign_emulation.disable()
+        cuda_emulation.disable()
+
+
+def _profile_with(activities):
+    # as upstream's tests bind it: from torch.profiler import profile (after the layer is on)
+    from torch.profiler import profile
+
+    with profile(activities=activities):
+        pass
+
+
+ASKS = {
+    "torch.cuda.CUDAGraph": (device_limits.CUDA_GRAPHS, lambda: torch.cuda.CUDAGraph()),
+    "torch.cuda.graph": (device_limits.CUDA_GRAPHS, lambda: torch.cuda.graph(None)),
+    "make_graphed_callables": (
+        device_limits.CUDA_GRAPHS,
+        lambda: torch.cuda.make_graphed_callables(torch.nn.Linear(2, 2), (torch.ones(1, 2),)),
+    ),
+    "symm_mem.get_mem_pool": (device_limits.SYMMETRIC_MEMORY, lambda: symm_mem.get_mem_pool("cuda:0")),
+    "symm_mem.empty": (device_limits.SYMMETRIC_MEMORY, lambda: symm_mem.empty(4, device="cuda")),
+    "symm_mem.rendezvous": (device_limits.SYMMETRIC_MEMORY, lambda: symm_mem.rendezvous(torch.ones(2), "0")),
+    "memory_allocated": (device_limits.MEMORY_ACCOUNTING, lambda: torch.cuda.memory_allocated("cuda:0")),
+    "max_memory_allocated": (device_limits.MEMORY_ACCOUNTING, lambda: torch.cuda.max_memory_allocated()),
+    "memory_reserved": (device_limits.MEMORY_ACCOUNTING, lambda: torch.cuda.memory_reserved()),
+    "max_memory_reserved": (device_limits.MEMORY_ACCOUNTING, lambda: torch.cuda.max_memory_reserved()),
+    "memory_stats": (device_limits.MEMORY_ACCOUNTING, lambda: torch.cuda.memory_stats()),
+    "mem_get_info": (device_limits.MEMORY_ACCOUNTING, lambda: torch.cuda.mem_get_info()),
+    "profile(CUDA)": (
+        device_limits.KERNEL_TRACE,
+        lambda: _profile_with([ProfilerActivity.CPU, ProfilerActivity.CUDA]),
+    ),
+    "profile({CUDA: ...})": (
+        device_limits.KERNEL_TRACE,
+        lambda: _profile_with([{ProfilerActivity.CUDA: []}]),
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", list(ASKS))
+def test_each_gpu_only_entry_raises_naming_its_feature(foreign, entry):
+    feature, ask = ASKS[entry]
+    # looked up at call time: the lambdas above read the patched attributes
+    with pytest.raises(EmulatedDeviceLacks, match=f"has no {feature}") as raised:
+        ask()
+    assert raised.value.feature == feature
+    cause = gpu_only.cause_of(raised.value)
+    assert cause is not None
+    assert cause.name.startswith(feature)  # the skip names the feature the test asked for
+
+
+def test_what_a_cpu_rank_has_still_answers(foreign):
+    assert symm_mem.is_symm_mem_tensor(torch.ones(2)) is False
+    torch.cuda.reset_peak_memory_stats()
+    from torch.profiler import profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as cpu_only:
+        torch.ones(4).sum()
+    assert any(event.name == "aten::sum" for event in cpu_only.events())
+    with profile() as default:  # no activities named: the CPU's, as torch records without a GPU
+        torch.ones(4).sum()
+    assert any(event.name == "aten::sum" for event in default.events())
+    assert isinstance(default, torch.profiler.profiler._KinetoProfile)
+
+
+def test_the_librarys_memory_heuristic_reads_an_idle_device(foreign):
+    assert ("megatron_fsdp.param_and_grad_buffer", "check_gpu_memory") in device_limits.IDLE_MEMORY_READERS
+    for module in (
+        "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+        "megatron_fsdp.param_and_grad_buffer",
+    ):
+        namespace = {"__name__": module, "torch": torch}
+        exec(
+            "def check_gpu_memory():\n"
+            "    return torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)\n",
+            namespace,
+        )
+        assert namespace["check_gpu_memory"]() == (0, 0)
+    namespace = {"__name__": "tests.unit_tests.distributed.mfsdp_v2.test_memory", "torch": torch}
+    exec("def check_gpu_memory():\n    return torch.cuda.memory_allocated(0)\n", namespace)
+    with pytest.raises(EmulatedDeviceLacks):  # a function of that name elsewhere: no
+        namespace["check_gpu_memory"]()
+
+
+def test_the_plain_emulation_keeps_its_answers_and_disable_restores():
+    graph_class, profile_class = torch.cuda.CUDAGraph, torch.profiler.profile
+    get_mem_pool = symm_mem.get_mem_pool
+    cuda_emulation.enable()
+    try:
+        assert torch.cuda.memory_allocated() == 0  # the plugin's own tests: an idle device
+        foreign_emulation.enable(2, 0, 60)
+        assert torch.cuda.CUDAGraph is not graph_class
+        foreign_emulation.disable()
+        assert torch.cuda.memory_allocated() == 0
+    finally:
+        cuda_emulation.disable()
+    assert torch.cuda.CUDAGraph is graph_class
+    assert torch.profiler.profile is profile_class
+    assert torch.profiler.profiler.profile is profile_class
+    assert symm_mem.get_mem_pool is get_mem_pool
