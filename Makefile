@@ -218,24 +218,36 @@ docs: venv
 
 # Megatron-LM's own Megatron-FSDP tests, unchanged, on CPU ranks (bench/upstream.py; docs/upstream-suites.md):
 #   make upstream MEGATRON_LM=/path/to/Megatron-LM [UPSTREAM_TESTS="paths in it"] [UPSTREAM_WORLD_SIZES="2 4"]
-# one torchrun run per world size from the checkout's root, JUnit per run, a per-file table and summary.json in
+#       [UPSTREAM_MARKERS="not flaky_in_dev"] [MEGATRON_BRIDGE=/path/to/Megatron-Bridge]
+# one torchrun run per world size from the checkout's root, selected by upstream's markers (UPSTREAM_MARKERS,
+# passed as -m; default Megatron-LM's dev CI's, "not flaky_in_dev"; UPSTREAM_MARKERS= runs every test), then with
+# MEGATRON_BRIDGE one run of `make bridge-test` (its BRIDGE_TEST) in BRIDGE_VENV, whose megatron-core is the
+# Megatron-LM runs' (BRIDGE_MEGATRON_CORE overrides it); JUnit per run, a per-file table and summary.json in
 # UPSTREAM_RESULTS (default upstream-results/), each run under UPSTREAM_WALL seconds. The defaults are the
 # script's (python -m bench.upstream --help). The input is checked with the stack's base Python first, so
-# that a wrong MEGATRON_LM stops in one line before a venv is built.
+# that a wrong MEGATRON_LM or MEGATRON_BRIDGE stops in one line before a venv is built; both venvs are built
+# before the first run starts.
 MEGATRON_LM          ?=
 MEGATRON_BRIDGE      ?=
 UPSTREAM_TESTS       ?=
 UPSTREAM_WORLD_SIZES ?=
 UPSTREAM_RESULTS     ?= upstream-results
 UPSTREAM_WALL        ?=
+BRIDGE_VENV          ?= .venv-bridge
+BRIDGE_MEGATRON_CORE ?= $(MEGATRON_CORE)
 UPSTREAM_FLAGS = --megatron-lm='$(MEGATRON_LM)' --megatron-bridge='$(MEGATRON_BRIDGE)' \
 	--tests='$(UPSTREAM_TESTS)' --results='$(UPSTREAM_RESULTS)' \
 	$(if $(strip $(UPSTREAM_WORLD_SIZES)),--world-sizes='$(UPSTREAM_WORLD_SIZES)') \
-	$(if $(strip $(UPSTREAM_WALL)),--wall='$(UPSTREAM_WALL)')
+	$(if $(strip $(UPSTREAM_WALL)),--wall='$(UPSTREAM_WALL)') \
+	$(if $(filter undefined,$(origin UPSTREAM_MARKERS)),,--markers='$(UPSTREAM_MARKERS)') \
+	$(if $(strip $(MEGATRON_BRIDGE)),--bridge-test='$(BRIDGE_TEST)' --bridge-venv='$(BRIDGE_VENV)' \
+		--bridge-megatron-core='$(BRIDGE_MEGATRON_CORE)')
 .PHONY: upstream upstream-record
 upstream:
 	@$(or $(PYTHON),python3) -m bench.upstream --check $(UPSTREAM_FLAGS)
 	@$(MAKE) --no-print-directory venv MEGATRON_CORE='$(MEGATRON_CORE)' VENV='$(VENV)'
+	$(if $(strip $(MEGATRON_BRIDGE)),@$(MAKE) --no-print-directory venv STACK=bridge MEGATRON_BRIDGE='$(MEGATRON_BRIDGE)' \
+		MEGATRON_CORE='$(BRIDGE_MEGATRON_CORE)' VENV='$(BRIDGE_VENV)')
 	$(SCRATCH) $(PY) -m bench.upstream $(UPSTREAM_FLAGS)
 
 # Megatron-Bridge's own Megatron-FSDP test, unchanged, on NPROC CPU ranks (docs/upstream-suites.md, "Megatron-Bridge's

@@ -17,6 +17,8 @@ import re
 import sys
 from pathlib import Path
 
+#: how each line this prints begins (``make upstream`` finds it in the bridge run's log)
+PREFIX = "make bridge-test: "
 #: Bridge's training-log line: its iteration and the value after "lm loss:"
 LOSS_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?\blm loss:\s*(\S+?)\s*\|")
 
@@ -32,14 +34,21 @@ def last_loss(text: str) -> tuple[int, float] | None:
 def verdict(path: Path) -> tuple[int, str]:
     """The exit status and the line to print for the rank log at ``path``."""
     if not path.is_file():
-        return 2, f"make bridge-test: no rank log at {path} (was the test run with -s and --mfsdp-log-dir?)"
+        return 2, f"{PREFIX}no rank log at {path} (was the test run with -s and --mfsdp-log-dir?)"
     found = last_loss(path.read_text(errors="replace"))
     if found is None:
-        return 1, f"make bridge-test: no 'lm loss' logged in {path}"
+        return 1, f"{PREFIX}no 'lm loss' logged in {path}"
     iteration, loss = found
     if not math.isfinite(loss):
-        return 1, f"make bridge-test: last lm loss {loss} at iteration {iteration} is not finite ({path})"
-    return 0, f"make bridge-test: last lm loss {loss:.6g} at iteration {iteration}, finite ({path})"
+        return 1, f"{PREFIX}last lm loss {loss} at iteration {iteration} is not finite ({path})"
+    return 0, f"{PREFIX}last lm loss {loss:.6g} at iteration {iteration}, finite ({path})"
+
+
+def reported(text: str) -> str | None:
+    """The last line this printed into ``text`` (a log of ``make bridge-test``), without :data:`PREFIX`;
+    None when there is none (the run ended before its loss was checked)."""
+    lines = [line[len(PREFIX) :] for line in text.splitlines() if line.startswith(PREFIX)]
+    return lines[-1] if lines else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,12 @@ skip reason, and the stack (the checkout's commit where git can tell, the instal
 CPU). ``docs/generate_gpu_only_causes.py --record`` turns that summary into the data of
 docs/gpu-only-causes.md.
 
-A run is one entry of data (:class:`Run`): the world sizes of the Megatron-LM suites give one each;
-Megatron-Bridge's (``--megatron-bridge``, run ``bridge``) is one more once :data:`BRIDGE_TESTS`
-names its tests.
+A run is one entry of data (:class:`Run`): the world sizes of the Megatron-LM suites give one each,
+selected by upstream's own markers (``--markers``, default Megatron-LM's dev CI's ``not flaky_in_dev``,
+passed as ``-m``; the count pytest deselected is read from the run's log); Megatron-Bridge's
+(``--megatron-bridge``, run ``bridge``) is one more, after them: ``make bridge-test`` (the Makefile
+states its command) with its JUnit file, its rank logs into ``<results>/bridge-logs`` and its
+last-loss line (bench/bridge_loss.py) read from its log into the table.
 
 Bad input (a missing or wrong checkout, a test path not in it, a world size that is no number) stops
 in one line naming the variable, the value and the fix, exit status 2, before anything starts; the
@@ -38,6 +41,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +51,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench import bridge_loss
 
 REPO = Path(__file__).resolve().parents[1]
 #: what ``make upstream`` runs when UPSTREAM_TESTS is not given (paths in the Megatron-LM checkout)
@@ -65,10 +71,12 @@ DEFAULT_WALL_S = 3600.0
 #: seconds an interrupted run has to write its JUnit file before everything left is killed; the
 #: torchrun agent itself waits 30 s for its ranks before it SIGKILLs them
 DEFAULT_GRACE_S = 60.0
-#: Megatron-Bridge's tests for the run named ``bridge`` (paths in the Megatron-Bridge checkout) and
-#: its world size: empty until that run is built, so that MEGATRON_BRIDGE is refused in one line
-BRIDGE_TESTS: tuple[str, ...] = ()
+#: upstream's own selection of the Megatron-LM runs (UPSTREAM_MARKERS), passed as ``-m``: what
+#: Megatron-LM's tests/unit_tests/run_ci_test.sh selects in its dev environment ("not flaky" in LTS)
+DEFAULT_MARKERS = "not flaky_in_dev"
+#: the world size of the run named ``bridge`` (``make bridge-test``'s NPROC; its last rank logs the loss)
 BRIDGE_WORLD_SIZE = 2
+BRIDGE_EXAMPLE = "tests/functional_tests/test_groups/megatron_fsdp"
 #: the pytest arguments of every run: CPU ranks, the foreign-suite mode, nothing written into the
 #: checkout (no .pytest_cache), JUnit with each test's file (xunit1's ``file`` attribute)
 PYTEST_ARGS = (
@@ -103,12 +111,28 @@ class Run:
     world_size: int
     #: the variable that named the checkout, for messages
     variable: str = "MEGATRON_LM"
+    #: pytest's ``-m`` expression; empty: every test
+    markers: str = ""
+    #: a run of ``make <make_args>`` in this repository instead of torchrun (the target states its
+    #: command): the run's JUnit file, world size and rank-log directory are added as JUNIT, NPROC
+    #: and BRIDGE_LOGS
+    make_args: tuple[str, ...] = ()
 
-    def command(self, python: str, junit: Path) -> list[str]:
+    def command(self, python: str, junit: Path, make: str = "make") -> list[str]:
+        if self.make_args:
+            return [
+                make, "--no-print-directory", "-C", str(REPO), *self.make_args, f"NPROC={self.world_size}",
+                f"JUNIT={junit}", f"BRIDGE_LOGS={self.log_dir(junit.parent)}",
+            ]  # fmt: skip
+        selection = ["-m", self.markers] if self.markers else []
         return [
             python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world_size}",
-            "-m", "pytest", *PYTEST_ARGS, f"--junitxml={junit}", *self.tests,
+            "-m", "pytest", *PYTEST_ARGS, *selection, f"--junitxml={junit}", *self.tests,
         ]  # fmt: skip
+
+    def log_dir(self, results: Path) -> Path:
+        """Where a make run's rank logs go: next to its JUnit file."""
+        return results.resolve() / f"{self.name}-logs"
 
 
 def _words(text: str) -> list[str]:
@@ -149,16 +173,23 @@ def checkout(variable: str, value: str, name: str, markers: tuple[str, ...]) -> 
     return path.resolve()
 
 
-def given_tests(text: str, root: Path, variable: str, default: Sequence[str]) -> tuple[str, ...]:
-    """UPSTREAM_TESTS's paths (default: ``default``), each checked to exist in the checkout
+def given_tests(
+    text: str,
+    root: Path,
+    variable: str,
+    default: Sequence[str],
+    tests_variable: str = "UPSTREAM_TESTS",
+    example: str = DEFAULT_TESTS[0],
+) -> tuple[str, ...]:
+    """``tests_variable``'s paths (default: ``default``), each checked to exist in the checkout
     (a node id's file part: ``path::test``)."""
     paths = tuple(_words(text)) or tuple(default)
     for path in paths:
         file_part = path.split("::", 1)[0]
         if Path(file_part).is_absolute() or not (root / file_part).exists():
             raise BadInput(
-                f"UPSTREAM_TESTS: {path} is not in {variable}={root}; give paths relative to the "
-                f"checkout's root, e.g. UPSTREAM_TESTS={DEFAULT_TESTS[0]}"
+                f"{tests_variable}: {path} is not in {variable}={root}; give paths relative to the "
+                f"checkout's root, e.g. {tests_variable}={example}"
             )
     return paths
 
@@ -186,16 +217,22 @@ def plan(args: argparse.Namespace) -> list[Run]:
     """The runs, every input checked (:class:`BadInput` on the first bad one)."""
     mlm = checkout("MEGATRON_LM", args.megatron_lm, "Megatron-LM", MEGATRON_LM_LAYOUT)
     tests = given_tests(args.tests, mlm, "MEGATRON_LM", DEFAULT_TESTS)
-    runs = [Run(f"ws{size}", mlm, tests, size) for size in world_sizes(args.world_sizes)]
+    markers = args.markers.strip()
+    runs = [Run(f"ws{size}", mlm, tests, size, markers=markers) for size in world_sizes(args.world_sizes)]
     if args.megatron_bridge:
         bridge = checkout("MEGATRON_BRIDGE", args.megatron_bridge, "Megatron-Bridge", BRIDGE_LAYOUT)
-        if not BRIDGE_TESTS:
+        if len(_words(args.bridge_test)) != 1:
             raise BadInput(
-                f"MEGATRON_BRIDGE={args.megatron_bridge}: the Megatron-Bridge run is not built yet "
-                "(bench/upstream.py's BRIDGE_TESTS is empty); leave MEGATRON_BRIDGE unset"
+                f"BRIDGE_TEST={args.bridge_test!r}: not one test; give one path or node id in the "
+                f"MEGATRON_BRIDGE checkout, e.g. BRIDGE_TEST={BRIDGE_EXAMPLE}"
             )
-        bridge_tests = given_tests("", bridge, "MEGATRON_BRIDGE", BRIDGE_TESTS)
-        runs.append(Run("bridge", bridge, bridge_tests, BRIDGE_WORLD_SIZE, "MEGATRON_BRIDGE"))
+        (test,) = given_tests(args.bridge_test, bridge, "MEGATRON_BRIDGE", (), "BRIDGE_TEST", BRIDGE_EXAMPLE)
+        make_args = (
+            "bridge-test", "STACK=bridge", f"MEGATRON_BRIDGE={bridge}", f"BRIDGE_TEST={test}",
+            *([f"VENV={args.bridge_venv}"] if args.bridge_venv else []),
+            *([f"MEGATRON_CORE={args.bridge_megatron_core}"] if args.bridge_megatron_core else []),
+        )  # fmt: skip
+        runs.append(Run("bridge", bridge, (test,), BRIDGE_WORLD_SIZE, "MEGATRON_BRIDGE", make_args=make_args))
     wall_limit(args.wall)
     results_dir(args.results)
     return runs
@@ -353,6 +390,10 @@ class RunResult:
     stopped: str | None = None
     #: processes still running after the run (or its stop) that were killed
     leftovers: int = 0
+    #: what its log says (:func:`read_log`): the tests pytest deselected (None: no count logged), and a
+    #: make run's last-loss line (bench/bridge_loss.py; None: none logged)
+    deselected: int | None = None
+    loss: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -408,11 +449,12 @@ def kill_all(processes: dict[int, str]) -> int:
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float) -> str:
-    """End a run: SIGINT to the torchrun agent (it passes it on; pytest writes its JUnit file), then
-    after ``grace_s`` SIGKILL to the agent's session. The ranks are in sessions of their own: the
-    caller kills what is left of them. Says how it ended."""
+    """End a run: SIGINT to its session's process group, as Ctrl-C in a terminal: the torchrun agent
+    (it passes it on; pytest writes its JUnit file), or for a make run make, its shell and the agent
+    under them (make does not pass SIGINT on); then after ``grace_s`` SIGKILL to that group. The ranks
+    are in sessions of their own: the caller kills what is left of them. Says how it ended."""
     try:
-        os.kill(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=grace_s)
         return f"interrupted (SIGINT), ended within {grace_s:g} s"
     except subprocess.TimeoutExpired:
@@ -463,6 +505,32 @@ def execute(
             raise
     leftovers = kill_all(seen)
     return RunResult(run, junit, log, status, time.monotonic() - start, wall_s, stopped, leftovers)
+
+
+#: a line of pytest's that holds the deselected count: collection's ``collected N items / M deselected
+#: / K selected`` and the summary's ``=== ... M deselected ... in 9.9s ===``
+DESELECTED = re.compile(r"^(?:collected \d+ items?\b|=+ ).*?\b(\d+) deselected\b", re.MULTILINE)
+COLLECTED = re.compile(r"^collected \d+ items?\b", re.MULTILINE)
+
+
+def deselected(log: str) -> int | None:
+    """The count pytest deselected by ``-m`` in a run's output (its last report), 0 when it reported its
+    collection without one, None when it never did."""
+    counts = DESELECTED.findall(log)
+    if counts:
+        return int(counts[-1])
+    return 0 if COLLECTED.search(log) else None
+
+
+def read_log(result: RunResult) -> None:
+    """Fill in what the run's log says: the deselected count, and a make run's last-loss line."""
+    try:
+        text = result.log.read_text(errors="replace")
+    except OSError:
+        return
+    result.deselected = deselected(text)
+    if result.run.make_args:
+        result.loss = bridge_loss.reported(text)
 
 
 # -- stack ------------------------------------------------------------------------------------------
@@ -542,15 +610,36 @@ def table(rows: dict[str, dict[str, float]], first: str = "file") -> list[str]:
     return lines
 
 
+def selection(markers: str, why: bool = False) -> str:
+    """The Megatron-LM runs' selection, in words (``why``: with where the default comes from)."""
+    said = f"-m {markers!r}" if markers else "every test (UPSTREAM_MARKERS empty)"
+    if why:
+        said += (
+            f" (UPSTREAM_MARKERS; Megatron-LM's dev CI selects -m {DEFAULT_MARKERS!r} in "
+            "tests/unit_tests/run_ci_test.sh; UPSTREAM_MARKERS= runs every test)"
+        )
+    return said
+
+
 def heading(result: RunResult, parsed: JunitResults) -> str:
-    """The run's line above its table: finished or not, its exit status, and what it wrote."""
+    """The run's line above its table: what ran, finished or not within its wall limit, its exit
+    status, what pytest deselected, a make run's last-loss line, and what it wrote."""
     run = result.run
-    what = f"{run.name}: world size {run.world_size}, {' '.join(run.tests)}"
+    how = f"make {run.make_args[0]}" if run.make_args else selection(run.markers)
+    what = f"{run.name}: world size {run.world_size}, {how}, {' '.join(run.tests)}"
     if result.finished:
-        state = f"finished in {_seconds(result.wall_s)}, exit status {result.status}"
+        state = (
+            f"finished in {_seconds(result.wall_s)} (wall limit {result.limit_s:g} s), "
+            f"exit status {result.status}"
+        )
     else:
         state = f"DID NOT FINISH after {_seconds(result.wall_s)}: {result.stopped}"
     notes = [parsed.problem] if parsed.problem else []
+    notes.append(
+        f"{result.deselected} deselected" if result.deselected is not None else "no deselected count logged"
+    )
+    if run.make_args:
+        notes.append(result.loss if result.loss is not None else "no last-loss line logged")
     if parsed.unnamed:
         notes.append(f"{parsed.unnamed} testcase without a name (the test an interrupt cut short) left out")
     failures = any(test.outcome in ("failed", "error") for test in parsed.tests.values())
@@ -561,7 +650,9 @@ def heading(result: RunResult, parsed: JunitResults) -> str:
     return f"{what}: {state}" + "".join(f"; {note}" for note in notes) + f" (log: {result.log})"
 
 
-def summary(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, Any]) -> dict[str, Any]:
+def summary(
+    results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, Any], markers: str
+) -> dict[str, Any]:
     """summary.json's content: the stack, and per run its state, per file its counts, per test id
     its outcome (with the skip reason and, for a GPU-only skip, its cause)."""
     runs: dict[str, Any] = {}
@@ -583,6 +674,9 @@ def summary(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, 
             "world_size": result.run.world_size,
             "checkout": str(result.run.checkout),
             "tests_given": list(result.run.tests),
+            "command": "make " + " ".join(result.run.make_args) if result.run.make_args else "torchrun",
+            "markers": None if result.run.make_args else result.run.markers,
+            "deselected": result.deselected,
             "finished": result.finished,
             "stopped": result.stopped,
             "exit_status": result.status,
@@ -592,6 +686,7 @@ def summary(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, 
             "junit_problem": parsed.problem,
             "junit_unnamed": parsed.unnamed,
             "leftovers_killed": result.leftovers,
+            **({"last_loss": result.loss} if result.run.make_args else {}),
             "files": files,
             "totals": totals(files.values()),
             "tests": tests,
@@ -599,13 +694,15 @@ def summary(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, 
     return {
         "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "stack": facts,
+        "markers": markers,
         "runs": runs,
     }
 
 
-def report(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, Any]) -> str:
-    """The printed report: the stack, then per run its heading and table, then the totals of all runs."""
-    lines = [f"stack: {describe_stack(facts)}"]
+def report(results: Sequence[tuple[RunResult, JunitResults]], facts: dict[str, Any], markers: str) -> str:
+    """The printed report: the stack and the Megatron-LM runs' selection, then per run its heading and
+    table, then the totals of all runs."""
+    lines = [f"stack: {describe_stack(facts)}", f"Megatron-LM runs: {selection(markers, why=True)}"]
     for result, parsed in results:
         lines += ["", heading(result, parsed), "", *table(per_file(parsed.tests))]
     if len(results) > 1:
@@ -651,6 +748,14 @@ def parser() -> argparse.ArgumentParser:
         "--megatron-bridge", default="", help="the Megatron-Bridge checkout (MEGATRON_BRIDGE)"
     )
     parser.add_argument("--tests", default="", help="paths in the checkout (UPSTREAM_TESTS)")
+    parser.add_argument(
+        "--markers", default=DEFAULT_MARKERS, help="-m of the Megatron-LM runs; empty: all (UPSTREAM_MARKERS)"
+    )
+    parser.add_argument("--bridge-test", default="", help="the Bridge run's node id (BRIDGE_TEST)")
+    parser.add_argument("--bridge-venv", default="", help="the Bridge run's venv (BRIDGE_VENV)")
+    parser.add_argument(
+        "--bridge-megatron-core", default="", help="the Bridge venv's megatron-core (BRIDGE_MEGATRON_CORE)"
+    )
     parser.add_argument("--world-sizes", default=" ".join(map(str, DEFAULT_WORLD_SIZES)))
     parser.add_argument("--results", default=DEFAULT_RESULTS, help="where the files go (UPSTREAM_RESULTS)")
     parser.add_argument("--wall", default=str(DEFAULT_WALL_S), help="seconds per run (UPSTREAM_WALL)")
@@ -674,7 +779,10 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
     _become_subreaper()
     signal.signal(signal.SIGTERM, _terminate)
     facts = stack(runs)
-    print(f"stack: {describe_stack(facts)}", flush=True)
+    print(
+        f"stack: {describe_stack(facts)}\nMegatron-LM runs: {selection(args.markers.strip(), why=True)}",
+        flush=True,
+    )
     done: list[tuple[RunResult, JunitResults]] = []
     for run in runs:
         junit = (results / f"{run.name}.xml").resolve()
@@ -684,10 +792,12 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
         )
         result = execute(run, run.command(python, junit), results, wall_s, args.grace)
         result.leftovers += kill_all(descendants(os.getpid()))  # orphans of a killed agent
+        read_log(result)
         done.append((result, read_junit(result.junit, run.checkout)))
         print(heading(*done[-1]), flush=True)
-    text = report(done, facts)
-    (results / "summary.json").write_text(json.dumps(summary(done, facts), indent=1) + "\n")
+    markers = args.markers.strip()
+    text = report(done, facts, markers)
+    (results / "summary.json").write_text(json.dumps(summary(done, facts, markers), indent=1) + "\n")
     (results / "table.md").write_text(text)
     print("\n" + text + f"\nwritten: {results / 'summary.json'}, {results / 'table.md'}")
     return 0 if clean(done) else 1

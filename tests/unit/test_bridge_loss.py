@@ -54,3 +54,15 @@ def test_the_verdict_on_a_rank_log(tmp_path, capsys, lines, status, says):
 def test_a_missing_rank_log_is_bad_input(tmp_path, capsys):
     assert bridge_loss.main([str(tmp_path / "rank1.log")]) == 2
     assert "no rank log at" in capsys.readouterr().err
+
+
+def test_make_upstream_finds_the_last_line_printed_in_a_make_log(tmp_path, capsys):
+    """``make upstream`` reads the bridge run's verdict back from that run's log (make's output)."""
+    log = tmp_path / "rank1.log"
+    log.write_text(_log_line(10, "8.125000E+00") + "\n")
+    assert bridge_loss.main([str(log)]) == 0
+    printed = capsys.readouterr().out
+    earlier = bridge_loss.PREFIX + "no rank log at /old/rank1.log"  # the last line is the verdict
+    make_log = "\n".join([earlier, "collected 1 item", "1 passed in 61.0s", printed, "make: *** Error 1"])
+    assert bridge_loss.reported(make_log) == f"last lm loss 8.125 at iteration 10, finite ({log})"
+    assert bridge_loss.reported("collected 1 item\nKeyboardInterrupt\n") is None

@@ -182,3 +182,43 @@ def test_make_bridge_test_runs_the_test_from_the_checkout_in_the_bridge_venv(tmp
         assert argument in plan, plan
     without = _make_n("bridge-test", f"MEGATRON_BRIDGE={bridge_checkout}").stdout
     assert "--junitxml" not in without
+
+
+def test_make_upstream_with_megatron_bridge_builds_its_venv_first_on_the_same_megatron_core(
+    tmp_path, checkout, bridge_checkout
+):
+    """MEGATRON_BRIDGE: the bridge venv (STACK=bridge, BRIDGE_VENV) is built before any run starts, with the
+    Megatron-LM runs' megatron-core, and bench/upstream.py is told the test, venv and megatron-core that
+    its `make bridge-test` run then uses."""
+    (bridge_checkout / "tests").mkdir()
+    plan = _upstream_plan(
+        tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}", f"MEGATRON_BRIDGE={bridge_checkout}",
+        f"BRIDGE_VENV={tmp_path / 'bv'}",
+    )  # fmt: skip
+    bridge_spec = plan.index(f"> {tmp_path / 'bv'}/.installed")
+    assert f"megatron-core=-e {checkout} " in plan[plan.rindex("echo '", 0, bridge_spec) : bridge_spec]
+    assert f"megatron-bridge={bridge_checkout} " in plan[plan.rindex("echo '", 0, bridge_spec) : bridge_spec]
+    run = plan.index(".venv-newest-upstream/bin/python -m bench.upstream")
+    assert plan.index(".venv-newest-upstream/.installed") < bridge_spec < run
+    flags = plan[run:].splitlines()[0]
+    for flag in (
+        f"--megatron-bridge='{bridge_checkout}'",
+        "--bridge-test='tests/functional_tests/test_groups/megatron_fsdp/test_megatron_fsdp.py::TestMegatronFSDP::",
+        f"--bridge-venv='{tmp_path / 'bv'}'",
+        f"--bridge-megatron-core='-e {checkout}'",
+    ):
+        assert flag in flags, flags
+    assert "--markers" not in flags  # bench/upstream.py's default: upstream's dev-CI selection
+    without = _upstream_plan(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}")
+    assert "STACK=bridge" not in without
+    assert "--bridge-" not in without
+
+
+@pytest.mark.parametrize(
+    ("assignment", "flag"),
+    [("UPSTREAM_MARKERS=", "--markers=''"), ("UPSTREAM_MARKERS=not slow", "--markers='not slow'")],
+)
+def test_upstream_markers_given_even_empty_reach_the_runs(tmp_path, checkout, assignment, flag):
+    plan = _upstream_plan(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}", assignment)
+    run = plan.index(".venv-newest-upstream/bin/python -m bench.upstream")
+    assert flag in plan[run:].splitlines()[0]

@@ -145,7 +145,9 @@ def test_no_file_or_a_file_cut_short_is_a_problem_not_a_crash(tmp_path: Path) ->
 
 
 def _result(tmp_path: Path, name: str = "ws2", **kwargs: object) -> upstream.RunResult:
-    run = upstream.Run(name, tmp_path, (MFSDP,), int(name[2:]) if name[2:].isdigit() else 2)
+    run = upstream.Run(
+        name, tmp_path, (MFSDP,), int(name[2:]) if name[2:].isdigit() else 2, markers="not flaky_in_dev"
+    )
     fields: dict[str, object] = {"status": 1, "wall_s": 77.0, "limit_s": 3600.0} | kwargs
     return upstream.RunResult(run, tmp_path / f"{name}.xml", tmp_path / f"{name}.log", **fields)  # type: ignore[arg-type]
 
@@ -161,8 +163,12 @@ FACTS = {
 
 
 def test_summary_json_has_each_test_its_outcome_reason_and_cause(tmp_path, parsed) -> None:
-    data = json.loads(json.dumps(upstream.summary([(_result(tmp_path), parsed)], FACTS)))
+    result = _result(tmp_path, deselected=4)
+    data = json.loads(json.dumps(upstream.summary([(result, parsed)], FACTS, "not flaky_in_dev")))
+    assert data["markers"] == "not flaky_in_dev"
     run = data["runs"]["ws2"]
+    assert (run["markers"], run["deselected"], run["command"]) == ("not flaky_in_dev", 4, "torchrun")
+    assert "last_loss" not in run
     assert run["world_size"] == 2
     assert run["finished"] is True
     assert run["exit_status"] == 1
@@ -182,17 +188,28 @@ def test_the_report_says_which_run_did_not_finish_and_keeps_its_results(tmp_path
         tmp_path, "ws4", status=None, wall_s=3660.0, stopped="wall limit 3600 s reached: killed"
     )
     empty = upstream.JunitResults(problem="no JUnit file written")
-    text = upstream.report([(_result(tmp_path), parsed), (stopped, empty)], FACTS)
+    text = upstream.report(
+        [(_result(tmp_path, deselected=4), parsed), (stopped, empty)], FACTS, "not flaky_in_dev"
+    )
     lines = text.splitlines()
     assert lines[0] == (
         "stack: MEGATRON_LM=/m (d98e8a64dd of 2026-08-22), Python 3.12.1, torch 2.14.1, "
         "megatron-core 0.20.0, 2-core Intel Xeon (avx512_bf16, amx_bf16)"
     )
-    assert f"ws2: world size 2, {MFSDP}: finished in 77.0 s, exit status 1 (log: {tmp_path}/ws2.log)" in lines
+    assert lines[1] == (
+        "Megatron-LM runs: -m 'not flaky_in_dev' (UPSTREAM_MARKERS; Megatron-LM's dev CI selects "
+        "-m 'not flaky_in_dev' in tests/unit_tests/run_ci_test.sh; UPSTREAM_MARKERS= runs every test)"
+    )
     assert (
-        f"ws4: world size 4, {MFSDP}: DID NOT FINISH after 3660.0 s: wall limit 3600 s reached: killed; "
-        f"no JUnit file written (log: {tmp_path}/ws4.log)"
+        f"ws2: world size 2, -m 'not flaky_in_dev', {MFSDP}: finished in 77.0 s (wall limit 3600 s), "
+        f"exit status 1; 4 deselected (log: {tmp_path}/ws2.log)"
     ) in lines
+    assert (
+        f"ws4: world size 4, -m 'not flaky_in_dev', {MFSDP}: DID NOT FINISH after 3660.0 s: wall limit "
+        f"3600 s reached: killed; no JUnit file written; no deselected count logged (log: {tmp_path}/ws4.log)"
+    ) in lines
+    every = upstream.report([(_result(tmp_path), parsed)], FACTS, "")
+    assert every.splitlines()[1].startswith("Megatron-LM runs: every test (UPSTREAM_MARKERS empty) (")
     runs = lines[lines.index("all runs:") + 2 :]
     assert runs[0].startswith("| run | passed |")
     assert runs[2:] == [
@@ -225,6 +242,25 @@ def test_each_run_is_torchrun_of_pytest_in_the_foreign_suite_mode(tmp_path: Path
     for flag in ("--mfsdp-platform=cpu", "--mfsdp-foreign-suite=true", f"--junitxml={tmp_path}/ws4.xml"):
         assert flag in command
     assert command[-2:] == [MFSDP, "t.py::x"]
+    assert "-m" not in command[7:]  # no markers: every test
+    selected = upstream.Run("ws2", tmp_path, (MFSDP,), 2, markers="not flaky_in_dev").command(
+        "p", tmp_path / "j"
+    )
+    assert selected[selected.index("-m", 7) : selected.index("-m", 7) + 2] == ["-m", "not flaky_in_dev"]
+
+
+@pytest.mark.parametrize(
+    ("log", "count"),
+    [
+        ("collected 120 items / 8 deselected / 112 selected\n...\n= 100 passed, 8 deselected in 9.1s =\n", 8),
+        ("[W rank0] x\ncollected 77 items / 1 skipped / 3 deselected / 73 selected\nKeyboardInterrupt\n", 3),
+        ("collected 77 items / 1 skipped\n==== 35 passed, 38 skipped in 31.29s ====\n", 0),
+        ("test_x.py::test_3_deselected PASSED\n", None),  # a test's name is no count
+        ("Traceback (most recent call last):\n", None),
+    ],
+)
+def test_the_deselected_count_is_pytests_own_line(log: str, count: int | None) -> None:
+    assert upstream.deselected(log) == count
 
 
 # -- bad input --------------------------------------------------------------------------------------
@@ -291,24 +327,72 @@ def test_bad_input_is_one_line_naming_the_variable_the_value_and_the_fix(
     assert not results.exists()  # nothing written either
 
 
-def test_megatron_bridge_is_refused_until_its_run_is_built(tmp_path, checkout, monkeypatch, capsys) -> None:
-    bridge = tmp_path / "Megatron-Bridge"
+BRIDGE_NODE = "tests/functional/test_fsdp.py::TestF::test_pretrain"
+
+
+@pytest.fixture
+def bridge(tmp_path: Path) -> Path:
+    root = tmp_path / "Megatron-Bridge"
     for part in upstream.BRIDGE_LAYOUT:
-        (bridge / part).mkdir(parents=True)
-    argv = ["--megatron-lm", str(checkout), "--tests", MFSDP, "--megatron-bridge", str(bridge)]
-    monkeypatch.setattr(upstream, "BRIDGE_TESTS", ())
-    assert _refused(monkeypatch, capsys, argv) == (
-        f"make upstream: MEGATRON_BRIDGE={bridge}: the Megatron-Bridge run is not built yet "
-        "(bench/upstream.py's BRIDGE_TESTS is empty); leave MEGATRON_BRIDGE unset"
-    )
-    # once BRIDGE_TESTS names its tests, the run named bridge is one more entry
-    (bridge / "tests" / "functional").mkdir()
-    monkeypatch.setattr(upstream, "BRIDGE_TESTS", ("tests/functional",))
-    runs = upstream.plan(upstream.parser().parse_args([*argv, "--world-sizes", "2"]))
-    assert [(run.name, run.checkout, run.tests) for run in runs] == [
-        ("ws2", checkout, (MFSDP,)),
-        ("bridge", bridge, ("tests/functional",)),
+        (root / part).mkdir(parents=True)
+    (root / "tests" / "functional").mkdir()
+    (root / "tests" / "functional" / "test_fsdp.py").write_text("")
+    return root
+
+
+def test_megatron_bridge_is_one_more_run_of_make_bridge_test(tmp_path, checkout, bridge) -> None:
+    argv = [
+        "--megatron-lm",
+        str(checkout),
+        "--tests",
+        MFSDP,
+        "--world-sizes",
+        "2",
+        "--megatron-bridge",
+        str(bridge),
     ]
+    bridge_args = ["--bridge-test", BRIDGE_NODE, "--bridge-venv", "/v/b", "--bridge-megatron-core", "-e /m"]
+    runs = upstream.plan(upstream.parser().parse_args([*argv, *bridge_args]))
+    assert [(run.name, run.checkout, run.tests, run.world_size) for run in runs] == [
+        ("ws2", checkout, (MFSDP,), 2),
+        ("bridge", bridge, (BRIDGE_NODE,), upstream.BRIDGE_WORLD_SIZE),
+    ]
+    assert runs[0].markers == upstream.DEFAULT_MARKERS  # upstream's dev-CI selection unless told
+    results = tmp_path / "results"
+    assert runs[1].command("/unused/python", results / "bridge.xml", make="/usr/bin/make") == [
+        "/usr/bin/make", "--no-print-directory", "-C", str(upstream.REPO), "bridge-test", "STACK=bridge",
+        f"MEGATRON_BRIDGE={bridge}", f"BRIDGE_TEST={BRIDGE_NODE}", "VENV=/v/b", "MEGATRON_CORE=-e /m",
+        f"NPROC={upstream.BRIDGE_WORLD_SIZE}", f"JUNIT={results}/bridge.xml",
+        f"BRIDGE_LOGS={results.resolve()}/bridge-logs",
+    ]  # fmt: skip
+    # the Makefile's own defaults where none are given
+    plain = upstream.plan(
+        upstream.parser().parse_args([*argv, "--bridge-test", BRIDGE_NODE, "--markers", " "])
+    )
+    assert not any(arg.startswith(("VENV=", "MEGATRON_CORE=")) for arg in plain[1].make_args)
+    assert plain[0].markers == ""
+
+
+def test_a_bad_megatron_bridge_or_bridge_test_is_one_line(
+    tmp_path, checkout, bridge, monkeypatch, capsys
+) -> None:
+    argv = ["--megatron-lm", str(checkout), "--tests", MFSDP, "--bridge-test", BRIDGE_NODE]
+    assert _refused(monkeypatch, capsys, [*argv, "--megatron-bridge", str(checkout)]) == (
+        f"make upstream: MEGATRON_BRIDGE={checkout} is not a Megatron-Bridge checkout's root (no "
+        "src/megatron/bridge in it); give the directory that holds src/megatron/bridge and tests, "
+        "e.g. make upstream MEGATRON_BRIDGE=/path/to/Megatron-Bridge"
+    )
+    argv[-1] = "tests/functional/test_gone.py::test_x"
+    assert _refused(monkeypatch, capsys, [*argv, "--megatron-bridge", str(bridge)]) == (
+        "make upstream: BRIDGE_TEST: tests/functional/test_gone.py::test_x is not in "
+        f"MEGATRON_BRIDGE={bridge}; "
+        f"give paths relative to the checkout's root, e.g. BRIDGE_TEST={upstream.BRIDGE_EXAMPLE}"
+    )
+    argv[-1] = ""
+    assert _refused(monkeypatch, capsys, [*argv, "--megatron-bridge", str(bridge)]).startswith(
+        "make upstream: BRIDGE_TEST='': not one test; give one path or node id in the "
+        "MEGATRON_BRIDGE checkout"
+    )
 
 
 def test_check_stops_after_the_input(tmp_path, checkout, monkeypatch) -> None:
@@ -487,6 +571,82 @@ def test_main_writes_the_junit_table_and_summary_per_run(tmp_path, checkout, mon
     assert (results / "table.md").read_text() in out
     assert out.count("| **total** | 1 | 2 | 1 | 1 | 1 | 2 | 5.3 s |") == 2  # ws2's table, ws4's
     assert "| **total** | 2 | 4 | 2 | 2 | 2 | 4 | 10.5 s |" in out
+
+
+def test_main_adds_the_bridge_run_with_its_loss_line(tmp_path, checkout, bridge, monkeypatch, capsys) -> None:
+    """The run named bridge: its JUnit in the same table and summary.json, its wall limit, the
+    deselected count and the last-loss line ``make bridge-test`` printed into its log."""
+    results = tmp_path / "results"
+    loss = "last lm loss 8.34 at iteration 10, finite (/r/rank1.log)"
+    body = (
+        WRITES_JUNIT_ON_SIGINT.replace(
+            'print("started", flush=True)', 'print("collected 1 item", flush=True)'
+        )
+        .replace("sys.exit(2)", f"print({bridge_loss_line(loss)!r}); sys.exit(0)")
+        .replace("time.sleep(60)", "interrupted(0, None)")
+    )
+
+    def fake_command(self: upstream.Run, python: str, junit: Path) -> list[str]:
+        return _junit_writer(tmp_path, body, junit)
+
+    monkeypatch.setattr(upstream.Run, "command", fake_command)
+    monkeypatch.setattr(upstream.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(upstream, "_become_subreaper", lambda: None)
+    argv = ["--megatron-lm", str(checkout), "--tests", MFSDP, "--world-sizes", "2", "--results", str(results),
+            "--megatron-bridge", str(bridge), "--bridge-test", BRIDGE_NODE, "--wall", "600"]  # fmt: skip
+    assert upstream.main(argv) == 1  # failures in the (fake) JUnit
+    summary = json.loads((results / "summary.json").read_text())
+    assert list(summary["runs"]) == ["ws2", "bridge"]
+    run = summary["runs"]["bridge"]
+    assert run["last_loss"] == loss
+    assert run["wall_limit_s"] == 600.0
+    assert run["deselected"] == 0  # it logged its collection: nothing deselected
+    assert run["markers"] is None  # upstream's markers select among the Megatron-LM runs only
+    assert run["command"].startswith("make bridge-test STACK=bridge MEGATRON_BRIDGE=")
+    assert summary["runs"]["ws2"]["markers"] == upstream.DEFAULT_MARKERS
+    assert summary["stack"]["checkouts"]["MEGATRON_BRIDGE"]["path"] == str(bridge)
+    out = capsys.readouterr().out
+    heading = next(line for line in out.splitlines() if line.startswith("bridge: world size 2"))
+    assert heading.startswith(f"bridge: world size 2, make bridge-test, {BRIDGE_NODE}: finished in ")
+    assert heading.endswith(
+        f"(wall limit 600 s), exit status 0; 0 deselected; {loss} (log: {results}/bridge.log)"
+    )
+    assert "| bridge | 1 | 2 | 1 | 1 | 1 | 2 | 5.3 s |" in out
+
+
+def bridge_loss_line(line: str) -> str:
+    from bench import bridge_loss
+
+    return bridge_loss.PREFIX + line
+
+
+#: a make that, like GNU make on SIGINT, waits for its recipe and does not pass the signal on; its
+#: recipe writes the JUnit file on SIGINT (pytest under torchrun) and is in make's process group
+MAKE_WITH_RECIPE = """
+    import shutil, signal, subprocess, sys, time
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    recipe = (
+        "import shutil, signal, sys, time\\n"
+        "def interrupted(signum, frame):\\n"
+        "    shutil.copy(sys.argv[1], sys.argv[2]); sys.exit(2)\\n"
+        "signal.signal(signal.SIGINT, interrupted)\\n"
+        "print('recipe started', flush=True)\\n"
+        "time.sleep(60)\\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", recipe, sys.argv[1], sys.argv[2]])
+    sys.exit(child.wait())
+"""
+
+
+def test_an_overrun_make_run_is_interrupted_as_ctrl_c_would_its_recipe_included(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    run = upstream.Run("bridge", results, (MFSDP,), 2, make_args=("bridge-test",))
+    command = _junit_writer(tmp_path, MAKE_WITH_RECIPE, results / "bridge.xml")
+    result = upstream.execute(run, command, results, wall_s=2.0, grace_s=10.0)
+    assert result.stopped == "wall limit 2 s reached: interrupted (SIGINT), ended within 10 s"
+    assert result.status is None
+    assert len(upstream.read_junit(result.junit).tests) == 8  # the recipe wrote its JUnit on SIGINT
 
 
 def test_the_descendants_of_a_process_are_found_through_proc(tmp_path: Path) -> None:
