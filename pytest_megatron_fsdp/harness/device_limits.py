@@ -12,8 +12,8 @@ nothing symmetric) or pass a check that cannot fail. Instead, each entry point b
   ``rendezvous`` (its ``is_symm_mem_tensor`` answers as usual: no tensor is one);
 * CUDA memory accounting: ``torch.cuda.memory_allocated``, ``max_memory_allocated``,
   ``memory_reserved``, ``max_memory_reserved``, ``memory_stats`` and ``mem_get_info``; except to the
-  library heuristics in :data:`IDLE_MEMORY_READERS`, which read an idle device's 0 as the plain
-  emulation answers everyone;
+  library heuristics and log lines in :data:`IDLE_MEMORY_READERS`, which read an idle device's 0 as
+  the plain emulation answers everyone;
 * a CUDA kernel trace: ``torch.profiler.profile(activities=[..., ProfilerActivity.CUDA])``; a
   profile that names no activities records the CPU's (what torch records without a GPU).
 
@@ -69,12 +69,17 @@ class _NoCUDAGraph:
         raise EmulatedDeviceLacks(CUDA_GRAPHS, "torch.cuda.CUDAGraph")
 
 
-#: (module, function) that read the memory accounting as a heuristic and take an idle device's 0:
-#: Megatron-FSDP's ``check_gpu_memory`` (empty the cache before a meta-device initialisation when
-#: the device is over half full). ``module`` matches the caller's module name or its tail after a
-#: dot (Megatron-FSDP ships as ``megatron_fsdp`` and inside megatron-core).
+#: (module, function) that read the memory accounting for a heuristic or a log line, never for what
+#: a test asserts, and take an idle device's 0: Megatron-FSDP's ``check_gpu_memory`` (empty the
+#: cache before a meta-device initialisation when the device is over half full) and Megatron-Bridge's
+#: ``report_memory`` (its training log's memory figures, every ``tensorboard_log_interval``: with
+#: ``memory_stats()`` empty it reports none). ``module`` matches the caller's module name or its
+#: tail after a dot (Megatron-FSDP ships as ``megatron_fsdp`` and inside megatron-core).
 IDLE_MEMORY_READERS: frozenset[tuple[str, str]] = frozenset(
-    {("megatron_fsdp.param_and_grad_buffer", "check_gpu_memory")}
+    {
+        ("megatron_fsdp.param_and_grad_buffer", "check_gpu_memory"),
+        ("megatron.bridge.training.utils.train_utils", "report_memory"),
+    }
 )
 
 _MEMORY_QUERIES: dict[str, Any] = {

@@ -111,6 +111,19 @@ def test_the_librarys_memory_heuristic_reads_an_idle_device(foreign):
         namespace["check_gpu_memory"]()
 
 
+def test_bridges_training_log_reads_an_idle_device(foreign):
+    """Megatron-Bridge's training log reads memory_stats() for its memory line: logged, not asserted,
+    so it reads an idle device (no figures) and the training goes on; a test asking is refused."""
+    body = "def report_memory(memory_keys):\n    return torch.cuda.memory_stats()\n"
+    namespace = {"__name__": "megatron.bridge.training.utils.train_utils", "torch": torch}
+    exec(body, namespace)
+    assert namespace["report_memory"](None) == {}
+    namespace = {"__name__": "tests.functional_tests.test_groups.megatron_fsdp.test_memory", "torch": torch}
+    exec(body, namespace)
+    with pytest.raises(EmulatedDeviceLacks):
+        namespace["report_memory"](None)
+
+
 def test_the_plain_emulation_keeps_its_answers_and_disable_restores():
     graph_class, profile_class = torch.cuda.CUDAGraph, torch.profiler.profile
     get_mem_pool = symm_mem.get_mem_pool
