@@ -56,6 +56,14 @@ def enable_foreign_suite(local_world_size: int, local_rank: int, pg_timeout_s: f
     foreign_emulation.enable(local_world_size, local_rank, pg_timeout_s)
 
 
+def before_foreign_test() -> None:
+    """Before each test of a foreign suite: what the foreign-suite layer checks again then (a no-op
+    where it is off)."""
+    from .harness import foreign_emulation
+
+    foreign_emulation.before_test()
+
+
 def disable() -> None:
     from .harness import cuda_emulation, foreign_emulation
 

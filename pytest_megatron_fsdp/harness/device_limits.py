@@ -15,7 +15,11 @@ nothing symmetric) or pass a check that cannot fail. Instead, each entry point b
   library heuristics and log lines in :data:`IDLE_MEMORY_READERS`, which read an idle device's 0 as
   the plain emulation answers everyone;
 * a CUDA kernel trace: ``torch.profiler.profile(activities=[..., ProfilerActivity.CUDA])``; a
-  profile that names no activities records the CPU's (what torch records without a GPU).
+  profile that names no activities records the CPU's (what torch records without a GPU);
+* Transformer Engine, where megatron-core stands it in (:class:`TransformerEngineStandIns`): the TE
+  layer classes its extension module builds on a ``MagicMock`` when TE is missing raise
+  ``ModuleNotFoundError`` for ``transformer_engine`` (a ``GPU-only: Transformer Engine`` skip)
+  instead of answering with mocks.
 
 The plugin reports a test that fails with this error as skipped, ``GPU-only: <feature>``
 (``pytest_megatron_fsdp/fsdp/gpu_only.py`` knows it by its class name and the text "has no
@@ -35,7 +39,9 @@ __all__ = [
     "KERNEL_TRACE",
     "MEMORY_ACCOUNTING",
     "SYMMETRIC_MEMORY",
+    "TE_EXTENSION",
     "EmulatedDeviceLacks",
+    "TransformerEngineStandIns",
     "apply",
 ]
 
@@ -129,6 +135,60 @@ def _profile_without_kernel_trace(original: type) -> type:
 
     profile.__module__ = original.__module__
     return profile
+
+
+#: megatron-core's Transformer Engine extension: without TE it sets ``te = MagicMock()`` and defines
+#: its layer classes on it (``class TEDotProductAttention(te.pytorch.DotProductAttention)``)
+TE_EXTENSION = "megatron.core.extensions.transformer_engine"
+
+
+def _transformer_engine_missing(*args: Any, **kwargs: Any) -> Any:
+    raise ModuleNotFoundError(
+        "No module named 'transformer_engine': megatron-core's Transformer Engine layers are "
+        f"stand-ins without it ({TE_EXTENSION}, HAVE_TE=False)",
+        name="transformer_engine",
+    )
+
+
+class TransformerEngineStandIns:
+    """The TE layer classes megatron-core defines on its ``MagicMock`` when Transformer Engine is
+    missing, made to say so.
+
+    A class statement whose base is a mock makes another mock, called with the class's name, bases
+    and namespace (``spec``, ``side_effect``, ``return_value``): "instantiating" it returns its base
+    mock the first time in a process and raises ``StopIteration`` after. A test that builds TE layers
+    (a TE layer spec) then passes on a rank where the mock answered and fails on another where it was
+    already spent, by the order of the tests. :meth:`refuse` sets each such class to raise
+    ``ModuleNotFoundError`` for ``transformer_engine`` instead, once megatron-core has imported its
+    extension without TE; :meth:`restore` undoes it."""
+
+    def __init__(self) -> None:
+        self._refused: list[tuple[Any, Any]] = []
+        self._done = False
+
+    def refuse(self) -> int:
+        """Refuse the stand-ins if the extension is imported (without TE) and not refused yet;
+        returns how many it refused now. Cheap when there is nothing to do: call it before each test."""
+        module = sys.modules.get(TE_EXTENSION)
+        if self._done or module is None or getattr(module, "HAVE_TE", True):
+            return 0
+        from unittest.mock import NonCallableMock
+
+        for value in list(vars(module).values()):
+            if not isinstance(value, NonCallableMock):
+                continue
+            namespace = value.return_value
+            if isinstance(namespace, dict) and namespace.get("__module__") == TE_EXTENSION:
+                self._refused.append((value, value.side_effect))
+                value.side_effect = _transformer_engine_missing
+        self._done = True
+        return len(self._refused)
+
+    def restore(self) -> None:
+        for stand_in, side_effect in reversed(self._refused):
+            stand_in.side_effect = side_effect
+        self._refused.clear()
+        self._done = False
 
 
 def apply(patch: Callable[[Any, str, Any], None]) -> None:

@@ -216,6 +216,8 @@ class _ForeignLayer:
         self.made = MadeGroups()
         self._patches = cuda_emulation.PatchSet()
         self._patch = self._patches.patch
+        #: megatron-core's Transformer Engine stand-ins, refused once its extension is imported
+        self.te_stand_ins = device_limits.TransformerEngineStandIns()
 
     def apply(self) -> None:
         import torch.cuda.random as cuda_random
@@ -262,6 +264,7 @@ class _ForeignLayer:
         caching_allocator.apply(self._patch)
 
     def restore(self) -> None:
+        self.te_stand_ins.restore()
         self._patches.restore()
 
 
@@ -292,6 +295,13 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return _active is not None
+
+
+def before_test() -> None:
+    """What the layer does before each test: refuse megatron-core's Transformer Engine stand-ins
+    once a test or its module has imported them (:class:`.device_limits.TransformerEngineStandIns`)."""
+    if _active is not None:
+        _active.te_stand_ins.refuse()
 
 
 def made_groups() -> MadeGroups | None:

@@ -271,6 +271,8 @@ class RankPlugin(RolePlugin):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        if options.session_values(item.config).foreign_suite:
+            cpu_mode.before_foreign_test()
         return self.runner.run(item, nextitem)
 
     @pytest.hookimpl(wrapper=True)

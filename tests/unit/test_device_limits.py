@@ -140,3 +140,43 @@ def test_the_plain_emulation_keeps_its_answers_and_disable_restores():
     assert torch.profiler.profile is profile_class
     assert torch.profiler.profiler.profile is profile_class
     assert symm_mem.get_mem_pool is get_mem_pool
+
+
+def test_megatrons_transformer_engine_stand_ins_say_te_is_missing(monkeypatch):
+    """megatron-core without TE defines its TE layer classes on a MagicMock: "instantiating" one
+    answers a mock once per process and raises StopIteration after (a test's outcome then depends on
+    the order of the tests). Refused, each raises ModuleNotFoundError for transformer_engine, the
+    GPU-only cause, every time; restore undoes it."""
+    import types
+    from unittest.mock import MagicMock
+
+    module = types.ModuleType(device_limits.TE_EXTENSION)
+    namespace = {"__name__": device_limits.TE_EXTENSION, "MagicMock": MagicMock}
+    exec(
+        "te = MagicMock()\nHAVE_TE = False\n"
+        "class TEDotProductAttention(te.pytorch.DotProductAttention):\n    pass\n"
+        "class TELinear(te.pytorch.Linear):\n    pass\n",
+        namespace,
+    )
+    module.__dict__.update(namespace)
+    monkeypatch.setitem(sys.modules, device_limits.TE_EXTENSION, module)
+    stand_ins = device_limits.TransformerEngineStandIns()
+    assert stand_ins.refuse() == 2
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError) as info:
+            module.TEDotProductAttention(config=None)
+        assert gpu_only.cause_of(info.value).reason() == "GPU-only: Transformer Engine"
+    assert stand_ins.refuse() == 0  # once
+    stand_ins.restore()
+    module.TELinear()  # the mock's own answer again: its base, once
+    with pytest.raises(StopIteration):
+        module.TELinear()
+
+
+def test_transformer_engine_stand_ins_left_alone_where_te_is_installed(monkeypatch):
+    import types
+
+    module = types.ModuleType(device_limits.TE_EXTENSION)
+    module.HAVE_TE = True
+    monkeypatch.setitem(sys.modules, device_limits.TE_EXTENSION, module)
+    assert device_limits.TransformerEngineStandIns().refuse() == 0
