@@ -4,6 +4,7 @@ Read from ``make -n venv`` (what make would run), so nothing is installed."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -12,6 +13,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _without_outer_make() -> dict[str, str]:
+    """The environment without what a ``make`` running this test passes on to its sub-makes: the
+    variables of its command line (``make unit STACK=newest`` exports ``STACK=newest`` and lists it
+    in MAKEFLAGS after ``--``), which would override the stack each test asks for, and MAKEFLAGS."""
+    flags = os.environ.get("MAKEFLAGS", "")
+    assigned = flags.split(" -- ", 1)[1].split() if " -- " in flags else []
+    outer = {word.split("=", 1)[0] for word in assigned if "=" in word}
+    dropped = outer | {"MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL"}
+    return {name: value for name, value in os.environ.items() if name not in dropped}
 
 
 def _planned(tmp_path: Path, *assignments: str) -> dict[str, str]:
@@ -25,6 +37,7 @@ def _planned(tmp_path: Path, *assignments: str) -> dict[str, str]:
         capture_output=True,
         text=True,
         timeout=60,
+        env=_without_outer_make(),
     )
     assert done.returncode == 0, done.stderr
     lines = {
@@ -74,6 +87,7 @@ def _upstream_plan(tmp_path: Path, *assignments: str) -> str:
         capture_output=True,
         text=True,
         timeout=60,
+        env=_without_outer_make(),
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -122,6 +136,7 @@ def _make_n(*arguments: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=60,
+        env=_without_outer_make(),
     )
 
 
