@@ -441,7 +441,7 @@ def kill_all(processes: dict[int, str]) -> int:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             except ProcessLookupError:
-                pass
+                pass  # it ended between the look and the kill: nothing left to stop
     for pid in killed:
         with contextlib.suppress(ChildProcessError):  # not this process's child: its parent reaps it
             os.waitpid(pid, 0)
@@ -734,7 +734,7 @@ def _become_subreaper() -> None:
 
         ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
-        pass
+        pass  # no prctl (not Linux, or no libc): orphans stay unadopted; the /proc scan still finds them
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -204,7 +204,8 @@ class _Loader(importlib.abc.Loader):
 
 
 def _nothing(module: ModuleType) -> None:
-    pass
+    """The step of a wrapped import with nothing to do (a module changed only before, or only
+    after, its code runs)."""
 
 
 class _BridgeHook(importlib.abc.MetaPathFinder):

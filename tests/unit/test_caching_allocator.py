@@ -3,10 +3,10 @@ DBuffer releases and grows back sits at its address again, views and contents in
 resize is torch's own, and everything is undone."""
 
 import gc
-import sys
 
 import pytest
 import torch
+from emulation_layers import foreign_layer, forget_megatron_rng
 
 from pytest_megatron_fsdp.harness import caching_allocator, cuda_emulation, foreign_emulation
 
@@ -15,19 +15,13 @@ DBUFFER = "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental.dbuffer
 
 @pytest.fixture(autouse=True)
 def _megatron_rng_not_bound(monkeypatch):
-    # as in test_cuda_emulation.py: the emulation refuses once megatron's RNG module is imported
-    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.random", raising=False)
+    forget_megatron_rng(monkeypatch)
 
 
 @pytest.fixture
 def foreign():
-    cuda_emulation.enable()
-    foreign_emulation.enable(local_world_size=2, local_rank=0, pg_timeout_s=60)
-    try:
+    with foreign_layer():
         yield
-    finally:
-        foreign_emulation.disable()
-        cuda_emulation.disable()
 
 
 def _resize_storage_of(module):

@@ -4,16 +4,14 @@ import sys
 
 import pytest
 import torch
+from emulation_layers import forget_megatron_rng
 
 from pytest_megatron_fsdp.harness import cuda_emulation
 
 
 @pytest.fixture(autouse=True)
 def _megatron_rng_not_bound(monkeypatch):
-    # enable() refuses once megatron's RNG module is imported (it binds torch.cuda._lazy_call by
-    # name); an earlier test file in this process may have imported it. These tests use no megatron:
-    # hide that module for the test, restored after.
-    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.random", raising=False)
+    forget_megatron_rng(monkeypatch)
 
 
 @pytest.fixture

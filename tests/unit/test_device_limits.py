@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.distributed._symmetric_memory as symm_mem
+from emulation_layers import foreign_layer, forget_megatron_rng
 from torch.profiler import ProfilerActivity
 
 from pytest_megatron_fsdp.fsdp import gpu_only
@@ -16,19 +17,13 @@ from pytest_megatron_fsdp.harness.device_limits import EmulatedDeviceLacks
 
 @pytest.fixture(autouse=True)
 def _megatron_rng_not_bound(monkeypatch):
-    # as in test_cuda_emulation.py: the emulation refuses once megatron's RNG module is imported
-    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.random", raising=False)
+    forget_megatron_rng(monkeypatch)
 
 
 @pytest.fixture
 def foreign():
-    cuda_emulation.enable()
-    foreign_emulation.enable(local_world_size=2, local_rank=0, pg_timeout_s=60)
-    try:
+    with foreign_layer():
         yield
-    finally:
-        foreign_emulation.disable()
-        cuda_emulation.disable()
 
 
 def _profile_with(activities):

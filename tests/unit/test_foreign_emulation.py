@@ -2,11 +2,11 @@
 would, NCCL groups become gloo ones, and everything is undone."""
 
 import datetime
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from emulation_layers import foreign_layer, forget_megatron_rng
 
 from pytest_megatron_fsdp.harness import cuda_emulation, foreign_emulation
 from pytest_megatron_fsdp.harness.made_groups import MadeGroups
@@ -14,20 +14,14 @@ from pytest_megatron_fsdp.harness.made_groups import MadeGroups
 
 @pytest.fixture(autouse=True)
 def _megatron_rng_not_bound(monkeypatch):
-    # as in test_cuda_emulation.py: the emulation refuses once megatron's RNG module is imported
-    monkeypatch.delitem(sys.modules, "megatron.core.tensor_parallel.random", raising=False)
+    forget_megatron_rng(monkeypatch)
 
 
 @pytest.fixture
 def foreign():
     """Local rank 1 of 4, process groups capped at 60 s."""
-    cuda_emulation.enable()
-    foreign_emulation.enable(local_world_size=4, local_rank=1, pg_timeout_s=60)
-    try:
+    with foreign_layer(local_world_size=4, local_rank=1):
         yield
-    finally:
-        foreign_emulation.disable()
-        cuda_emulation.disable()
 
 
 @pytest.fixture
