@@ -884,12 +884,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "frozen_params_made_trainable",
         "adapter and wrappers",
         both("param_and_grad_buffer.py"),
-        "            new_param.requires_grad_(old_param.requires_grad)\n",
-        "            new_param.requires_grad_(True)\n",
-        """The sharded parameter that replaces each original one no longer inherits requires_grad=False:
-        frozen parameters become trainable after wrapping (their parameter group still says frozen).
-        Both entry points, any strategy, only for a model with frozen parameters (the GPT has none).
-        Symptom: the frozen ones get gradients and move, or the group's requires_grad check fails.""",
+        '                            "requires_grad",\n',
+        "",
+        """The sharded DTensor parameters that replace the module's (and that the optimizer steps) no
+        longer copy requires_grad from the originals: frozen parameters show up as trainable after
+        wrapping (a PEFT filter on requires_grad then hands them to the optimizer). Both entry
+        points, any strategy, only for a model with frozen parameters (the GPT has none). Symptom:
+        the wrapped model's frozen parameters say requires_grad=True. (A first version edited
+        _reset_parameters, which only meta-device initialisation runs: its probe passed.)""",
         probe="test_frozen_parameters.py::test_fully_shard_frozen_parameters_match_torch_ddp[optim]",
     ),
     Mutant(
@@ -934,15 +936,18 @@ MUTANTS: tuple[Mutant, ...] = (
         probe="test_frozen_parameters.py::test_v2_fully_shard_frozen_parameters_match_torch_ddp",
     ),
     Mutant(
-        "v2_checkpoint_optimizer_state_not_loaded",
+        "v2_checkpoint_load_keeps_stale_compute_weights",
         "checkpoint contents",
         both("experimental/checkpoint.py"),
-        "    set_optimizer_state_dict(model, optimizer, optimizer_state_dict)\n",
-        "",
-        """V2's own load_checkpoint reads the optimizer state from disk but never installs it: the
-        loading run keeps its own (AdamW moments and step counts of another run). V2's standalone
-        save_checkpoint/load_checkpoint. Symptom: the resumed run's losses leave the saved run's.""",
+        "    sync_model_weights: bool = True,\n",
+        "    sync_model_weights: bool = False,\n",
+        """V2's own load_checkpoint no longer refreshes the compute weights from the loaded main
+        weights by default: a bf16 model keeps computing with the loading run's own weights until
+        its next optimizer step. V2's standalone save_checkpoint/load_checkpoint. Symptom: the
+        resumed run's first losses are the loading run's, not the saved run's. (A first version
+        dropped set_optimizer_state_dict: equivalent, DCP loads the optimizer state into the live
+        state tensors in place, so the resumed losses were exact.)""",
         needs=V2_FULLY_SHARD,
-        probe="test_v2_fully_shard.py::test_v2_fully_shard_checkpoint_resumes_exactly[fp32]",
+        probe="test_v2_fully_shard.py::test_v2_fully_shard_checkpoint_resumes_exactly[bf16]",
     ),
 )

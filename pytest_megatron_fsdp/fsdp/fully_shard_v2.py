@@ -23,6 +23,7 @@ import torch
 from ..environment import DistEnv
 from .fully_shard import Batches, LossFn, batch_stream, train_steps
 from .results import TrainResult
+from .run import RunBase
 
 #: V2's import path in megatron-core (the standalone ``megatron_fsdp`` of a Megatron-LM checkout is
 #: the same directory)
@@ -64,14 +65,15 @@ def v2_device(env: DistEnv) -> torch.device:
     return torch.device("cuda", 0 if env.platform == "cpu" else env.local_rank)
 
 
-class FullyShardV2Run:
+class FullyShardV2Run(RunBase):
     """``module`` sharded in place by V2: each of ``units(module)`` (children before parents), then
     ``module`` itself, with ``strategy``'s placements over all ranks; ``optimizer(parameters)``
     built on all the sharded parameters (frozen ones included, as a user's ``model.parameters()``)
     and adapted by ``fully_shard_optimizer``.
 
     ``mixed_precision_policy``: V2's ``MixedPrecisionPolicy`` (None: fp32 main weights, gradients
-    in the parameters' dtype). ``train(n)`` returns a :class:`TrainResult` like every other run.
+    in the parameters' dtype). ``train(n)`` returns a :class:`TrainResult` like every other run;
+    ``close()`` releases it as every run is released (:class:`~.run.RunBase`).
     """
 
     def __init__(
@@ -106,8 +108,8 @@ class FullyShardV2Run:
             api.fully_shard(
                 module, mesh=mesh, placements=layout, mixed_precision_policy=mixed_precision_policy
             )
-        self.model: torch.nn.Module | None = module
-        self.optimizer: torch.optim.Optimizer | None = optimizer(module.parameters())
+        self.model = module
+        self.optimizer = optimizer(module.parameters())
         api.fully_shard_optimizer(self.optimizer)
         self.iteration = 0
 
@@ -142,8 +144,3 @@ class FullyShardV2Run:
 
         importlib.import_module(V2_API).load_checkpoint(self.model, self.optimizer, checkpoint_dir)
         self.iteration = iteration
-
-    def close(self) -> None:
-        """Drop the model and the optimizer (their sharded buffers go with them)."""
-        self.model = None
-        self.optimizer = None
