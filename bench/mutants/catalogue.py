@@ -55,6 +55,15 @@ V2 = Needs(
 )
 
 
+#: Megatron-FSDP V2's standalone API (``experimental``: ``fully_shard_context``, ``Placements``, its own
+#: checkpoint; Megatron-LM main): megatron-core 0.19.2 ships an earlier ``experimental`` without it
+V2_FULLY_SHARD = Needs(
+    VENDORED + "experimental/fully_shard.py",
+    "def fully_shard_context(",
+    "megatron-core has no standalone Megatron-FSDP V2 API (experimental.fully_shard_context)",
+)
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str
@@ -869,5 +878,76 @@ MUTANTS: tuple[Mutant, ...] = (
             "the fix (Megatron-LM PR #5976) is not in this stack",
         ),
         probe="test_fully_shard.py::test_fully_shard_adam_matches_torch_ddp",
+    ),
+    # --- paths users run beyond the GPT: frozen parameters, root parameters, MoE, V2's own API --------
+    Mutant(
+        "frozen_params_made_trainable",
+        "adapter and wrappers",
+        both("param_and_grad_buffer.py"),
+        '                            "requires_grad",\n',
+        "",
+        """The sharded DTensor parameters that replace the module's (and that the optimizer steps) no
+        longer copy requires_grad from the originals: frozen parameters show up as trainable after
+        wrapping (a PEFT filter on requires_grad then hands them to the optimizer). Both entry
+        points, any strategy, only for a model with frozen parameters (the GPT has none). Symptom:
+        the wrapped model's frozen parameters say requires_grad=True. (A first version edited
+        _reset_parameters, which only meta-device initialisation runs: its probe passed.)""",
+        probe="test_frozen_parameters.py::test_fully_shard_frozen_parameters_match_torch_ddp[optim]",
+    ),
+    Mutant(
+        "moe_expert_grads_summed",
+        "gradient scaling/averaging",
+        both("megatron_fsdp.py"),
+        "                expert_gradient_scaling_factor = 1.0 / data_parallel_world_size\n",
+        "                expert_gradient_scaling_factor = 1.0\n",
+        """The MoE experts' gradients are summed over the data-parallel ranks instead of averaged (the
+        dense layers' stay averaged). Megatron-FSDP V1 on a model with experts (params named
+        '.experts.'): the HybridModel's MoE layer. Symptom: expert gradients dp times too large,
+        grad norm above DDP's, losses leave DDP's (Adam hides most of the scale).""",
+        probe="test_hybrid_layer_kinds.py::test_hybrid_every_layer_kind_matches_ddp[v1-optim_grads_params]",
+    ),
+    Mutant(
+        "v2_root_parameters_unmanaged",
+        "adapter and wrappers",
+        both("experimental/module.py"),
+        '    visit(root_module, "")\n',
+        "    for child_name, child_module in root_module.named_children():\n"
+        "        if not isinstance(child_module, FsdpModule):\n"
+        "            visit(child_module, child_name)\n",
+        """V2's fully_shard collects the parameters of the module's non-FSDP children but no longer the
+        module's own direct parameters: a root that owns a parameter (a bias applied before its
+        sharded children) leaves it a plain, unsharded, unreduced tensor. V2's standalone API; the
+        GPT's root has no direct parameter. Symptom: that parameter's gradient is this rank's only,
+        losses leave torch DDP's; it is no DTensor.""",
+        needs=V2_FULLY_SHARD,
+        probe="test_v2_fully_shard.py::test_v2_fully_shard_matches_torch_ddp[optim_grads_params]",
+    ),
+    Mutant(
+        "v2_frozen_and_trained_grouped_together",
+        "adapter and wrappers",
+        both("experimental/module.py"),
+        "        key = (parameter.dtype, parameter.requires_grad)\n",
+        "        key = (parameter.dtype, True)\n",
+        """V2 groups a unit's parameters by dtype only, so a frozen layer and a trained one of the same
+        unit share one parameter group (one flat buffer, one requires_grad). V2's standalone API on a
+        model with a frozen layer beside a trained one in a unit. Symptom: V2 refuses the module
+        (mixed requires_grad in a group) or trains the frozen layer.""",
+        needs=V2_FULLY_SHARD,
+        probe="test_frozen_parameters.py::test_v2_fully_shard_frozen_parameters_match_torch_ddp",
+    ),
+    Mutant(
+        "v2_checkpoint_load_keeps_stale_compute_weights",
+        "checkpoint contents",
+        both("experimental/checkpoint.py"),
+        "    sync_model_weights: bool = True,\n",
+        "    sync_model_weights: bool = False,\n",
+        """V2's own load_checkpoint no longer refreshes the compute weights from the loaded main
+        weights by default: a bf16 model keeps computing with the loading run's own weights until
+        its next optimizer step. V2's standalone save_checkpoint/load_checkpoint. Symptom: the
+        resumed run's first losses are the loading run's, not the saved run's. (A first version
+        dropped set_optimizer_state_dict: equivalent, DCP loads the optimizer state into the live
+        state tensors in place, so the resumed losses were exact.)""",
+        needs=V2_FULLY_SHARD,
+        probe="test_v2_fully_shard.py::test_v2_fully_shard_checkpoint_resumes_exactly[bf16]",
     ),
 )

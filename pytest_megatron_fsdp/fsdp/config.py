@@ -999,7 +999,7 @@ def _schedule_source(v: Validation) -> str | None:
 
 
 #: the HybridModel layer symbols the harness builds (local, non-Transformer-Engine specs)
-HYBRID_SYMBOLS = {"*": "self-attention", "-": "MLP"}
+HYBRID_SYMBOLS = {"*": "self-attention", "-": "MLP", "E": "MoE"}
 
 
 @_rule("hybrid-model-available")
@@ -1024,9 +1024,22 @@ def _hybrid_pattern_symbols(v: Validation) -> str | None:
     if not pattern or unknown:
         return (
             f"model.hybrid_layer_pattern={pattern!r}: the harness builds "
-            f"{' and '.join(f'{k!r} ({what})' for k, what in HYBRID_SYMBOLS.items())} layers only"
+            f"{', '.join(f'{k!r} ({what})' for k, what in HYBRID_SYMBOLS.items())} layers only"
             + (f", not {unknown[0]!r}" if unknown else "")
             + "; write a pattern such as '*-*-'"
+        )
+    return None
+
+
+@_rule("hybrid-moe-experts")
+def _hybrid_moe_experts(v: Validation) -> str | None:
+    """A MoE layer (``E``) needs its experts counted (megatron-core's ``num_moe_experts``)."""
+    pattern = v.preset.hybrid_layer_pattern
+    if pattern is not None and "E" in pattern and not v.preset.transformer_overrides.get("num_moe_experts"):
+        return (
+            f"model.hybrid_layer_pattern={pattern!r} has a MoE layer ('E') but "
+            "model.num_moe_experts is not set: set it, e.g. model.num_moe_experts=4 "
+            "(or use the tiny-hybrid-moe preset)"
         )
     return None
 

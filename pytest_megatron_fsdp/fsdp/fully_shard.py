@@ -31,7 +31,7 @@ LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Batches = Iterable[Any] | Callable[[int], Any]
 
 
-def _batch_stream(batches: Batches) -> Callable[[int], Any]:
+def batch_stream(batches: Batches) -> Callable[[int], Any]:
     if callable(batches):
         return batches
     iterator: Iterator[Any] = iter(batches)
@@ -105,7 +105,7 @@ class FullyShardRun(RunBase):
 
         self.env = env
         self.loss_fn = loss_fn
-        self._batch = _batch_stream(batches)
+        self._batch = batch_stream(batches)
         #: told of every result (the fully_shard_run fixture records it), as for a TrainingRun
         self.observer = observer
         self.fully_shard_kwargs = dict(fully_shard_kwargs)
@@ -136,30 +136,57 @@ class FullyShardRun(RunBase):
     def train(self, iterations: int) -> TrainResult:
         """``iterations`` optimizer steps, one batch each; per-step figures as a megatron-core run."""
         result = TrainResult(first_iteration=self.iteration + 1)
-        for _ in range(iterations):
-            start = time.perf_counter()
-            self.model.train()
-            self.optimizer.zero_grad()
-            loss = self.loss_fn(self.model, self._batch(self.iteration))
-            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-            # Megatron-FSDP syncs the gradients at the end of backward (sync_model_each_microbatch,
-            # the default); the wrapped optimizer's step() finishes anything still pending.
-            grad_norm = global_grad_norm(self.model.parameters(), self.env)
-            num_zeros = global_num_zeros(self.model.parameters(), self.env)
-            self.optimizer.step()
-            if self.env.platform == "cuda":
-                torch.cuda.synchronize()
-            result.step_times_s.append(time.perf_counter() - start)
-            local = float(loss.detach())
-            result.local_losses.append(local)
-            result.losses.append(data_parallel_mean(local, self.env.device))
-            result.grad_norms.append(grad_norm)
-            result.num_zeros.append(num_zeros)
-            result.memory_bytes.append(memory_in_use_bytes(self.env.platform))
-            self.iteration += 1
+        train_steps(
+            self.model,
+            self.optimizer,
+            self._batch,
+            self.loss_fn,
+            self.env,
+            self.iteration,
+            iterations,
+            result,
+        )
+        self.iteration += iterations
         if self.observer is not None:
             self.observer.on_result(self, result)
         return result
+
+
+def train_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Callable[[int], Any],
+    loss_fn: LossFn,
+    env: DistEnv,
+    start: int,
+    iterations: int,
+    result: TrainResult,
+) -> None:
+    """The training loop every run of a model the test brings shares: ``iterations`` optimizer
+    steps on ``batch(start)``, ``batch(start + 1)``, ..., each step's figures appended to ``result``.
+
+    The wrappers sync the gradients by the end of backward (Megatron-FSDP's
+    ``sync_model_each_microbatch``, the default; torch DDP's hooks); the grad norm and the zeros are
+    counted there, before the optimizer steps (a wrapped optimizer's ``step()`` finishes anything
+    still pending)."""
+    for iteration in range(start, start + iterations):
+        begin = time.perf_counter()
+        model.train()
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch(iteration))
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+        grad_norm = global_grad_norm(model.parameters(), env)
+        num_zeros = global_num_zeros(model.parameters(), env)
+        optimizer.step()
+        if env.platform == "cuda":
+            torch.cuda.synchronize()
+        result.step_times_s.append(time.perf_counter() - begin)
+        local = float(loss.detach())
+        result.local_losses.append(local)
+        result.losses.append(data_parallel_mean(local, env.device))
+        result.grad_norms.append(grad_norm)
+        result.num_zeros.append(num_zeros)
+        result.memory_bytes.append(memory_in_use_bytes(env.platform))
 
 
 def train_with_torch_ddp(
@@ -174,18 +201,6 @@ def train_with_torch_ddp(
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(module, device_ids=None if env.platform == "cpu" else [env.local_rank])
-    batch = _batch_stream(batches)
     result = TrainResult()
-    for iteration in range(iterations):
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        loss = loss_fn(model, batch(iteration))
-        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-        grad_norm = global_grad_norm(model.parameters(), env)
-        optimizer.step()
-        result.step_times_s.append(time.perf_counter() - start)
-        local = float(loss.detach())
-        result.local_losses.append(local)
-        result.losses.append(data_parallel_mean(local, env.device))
-        result.grad_norms.append(grad_norm)
+    train_steps(model, optimizer, batch_stream(batches), loss_fn, env, 0, iterations, result)
     return result

@@ -242,19 +242,28 @@ def _gpt_model(config: TransformerConfig, preset: ModelPreset, env: DistEnv) -> 
 
 
 def hybrid_stack_spec(preset: ModelPreset, env: DistEnv) -> Any:
-    """The ``HybridStack`` spec for attention (``*``) and MLP (``-``) layers.
+    """The ``HybridStack`` spec for attention (``*``), MLP (``-``) and MoE (``E``) layers.
 
     Transformer Engine on GPUs where it imports: megatron-core's own ``hybrid_stack_spec``. Else
     (CPU ranks) local layers: megatron-core's hybrid specs are Transformer Engine only (their
     comment: "we had problems getting the non-TE spec working"), so the attention layer takes the
     local GPT layer's attention half and the MLP layer its MLP half (``get_gpt_layer_local_spec``),
     and the stack's final norm, which ``HybridStack`` always builds as ``TENorm``, is the local GPT
-    layer's norm (:func:`_local_norm_hybrid_stack`). Mamba, GDN and MoE layers are not built here.
+    layer's norm (:func:`_local_norm_hybrid_stack`). The MoE layer is megatron-core's
+    ``MoETransformerLayer`` with its local MoE module (router, token dispatcher and experts run one
+    after another: no grouped GEMM, no Transformer Engine). Mamba (``M``) and GDN (``G``) layers need
+    CUDA kernels (mamba_ssm, causal-conv1d; flash-linear-attention's Triton kernels), MLA (``+``)
+    and DSA (``D``) a ``MLATransformerConfig`` and cannot share a pattern with ``*``: not built here.
     """
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
 
     if uses_transformer_engine(env):
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_spec
@@ -275,9 +284,19 @@ def hybrid_stack_spec(preset: ModelPreset, env: DistEnv) -> Any:
             pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda
         ),
     )
+    # a pattern without 'E' builds no MoE layer; one with it has num_moe_experts (validate())
+    experts = preset.transformer_overrides.get("num_moe_experts") or 1
+    moe = ModuleSpec(
+        module=MoETransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm,
+            mlp=get_moe_module_spec(use_te=False, num_experts=experts, moe_grouped_gemm=False),
+            mlp_bda=gpt.mlp_bda,
+        ),
+    )
     return ModuleSpec(
         module=_local_norm_hybrid_stack(gpt.input_layernorm),
-        submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp),
+        submodules=HybridStackSubmodules(attention_layer=attention, mlp_layer=mlp, moe_layer=moe),
     )
 
 

@@ -137,6 +137,37 @@ PRESETS: dict[str, ModelPreset] = {
         micro_batch_size=2,
         recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),  # as tiny's: exact parity with DDP
     ),
+    "tiny-hybrid-moe": ModelPreset(
+        name="tiny-hybrid-moe",
+        description=(
+            "the tiny HybridModel with every layer kind built without CUDA kernels: pattern *-*E "
+            "(attention, MLP, attention, MoE of 4 experts, top-2, local experts)"
+        ),
+        num_layers=4,
+        hybrid_layer_pattern="*-*E",
+        hidden_size=64,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=4,
+        vocab_size=128,
+        seq_length=32,
+        micro_batch_size=2,
+        # no biases, as MoE models are built: megatron-core's local experts (SequentialMLP) add the
+        # expert bias in place onto RowParallelLinear's output, which at tensor-parallel size 1 is a
+        # view returned by a custom autograd Function, and autograd refuses that (measured on
+        # Megatron-LM main of 2026-08-22: "Output 0 of _ReduceFromModelParallelRegion is a view and
+        # is being modified inplace")
+        add_bias_linear=False,
+        # no auxiliary load-balancing loss: the losses compare with DDP's as the language-model loss
+        transformer_overrides={
+            "num_moe_experts": 4,
+            "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 128,
+            "moe_aux_loss_coeff": 0.0,
+            "moe_router_load_balancing_type": "none",
+        },
+        recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),  # as tiny's: exact parity with DDP
+    ),
     "bridge-reference": ModelPreset(
         name="bridge-reference",
         description=(

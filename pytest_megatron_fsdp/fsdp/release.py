@@ -62,6 +62,38 @@ def release_grad_hooks(*modules: torch.nn.Module | None) -> int:
     return removed
 
 
+def release_autograd_graphs(*modules: torch.nn.Module | None) -> int:
+    """Drop the tensors of the last forward's autograd graph that the modules keep; returns how many.
+
+    A tensor with a ``grad_fn`` holds its graph, down to the ``AccumulateGrad`` nodes of the
+    parameters, and those hold the hooks Megatron DDP registers on them (``grad_acc.register_hook``),
+    whose closures hold the wrapper: a cycle through autograd's C++ nodes, which the garbage
+    collector cannot see. megatron-core's MoE layer keeps such a tensor on its token dispatcher, a
+    plain object beside the modules (``MoEAllGatherTokenDispatcher.local_probs``, Megatron-LM main of
+    2026-08-22), so a MoE model under DDP outlived its test. Looks at every module's attributes and
+    at the attributes of the plain objects among them (one level); the run is closing, so nothing
+    reads them again.
+    """
+    dropped = 0
+    for module in modules:
+        if module is None:
+            continue
+        for submodule in module.modules():
+            holders: list[Any] = [submodule]
+            holders += [
+                value
+                for value in vars(submodule).values()
+                if hasattr(value, "__dict__")
+                and not isinstance(value, (torch.nn.Module, type, types.ModuleType))
+            ]
+            for holder in holders:
+                for name, value in list(vars(holder).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(holder, name, None)
+                        dropped += 1
+    return dropped
+
+
 def release_method_caches(*modules: torch.nn.Module | None) -> int:
     """Clear the ``functools.lru_cache`` of every method of the modules' classes; returns how many.
 

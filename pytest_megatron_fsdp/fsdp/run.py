@@ -139,16 +139,23 @@ class RunBase:
 
         First the collectives the wrapper left in flight (waited: ``wait_collectives=False`` after
         a failure that released the ranks from running collectives together) and the hooks that
-        would keep the wrapper alive forever (``fsdp.release``), then the references
+        would keep the wrapper alive forever, and the tensors of the last forward's graph a module
+        kept (``fsdp.release``), then the references
         (:attr:`released`): once the caller's are gone too, the garbage collector frees the model,
         its gradients and the optimizer state. Megatron's model-parallel state stays up for the
         next run or test with the same sizes; the rank session tears it down with the process group.
         """
-        from .release import release_grad_hooks, release_method_caches, wait_pending_collectives
+        from .release import (
+            release_autograd_graphs,
+            release_grad_hooks,
+            release_method_caches,
+            wait_pending_collectives,
+        )
 
         if wait_collectives:
             wait_pending_collectives(self.model)
         release_grad_hooks(self.model)
         release_method_caches(self.model)
+        release_autograd_graphs(self.model)
         for name in self.released:
             setattr(self, name, None)

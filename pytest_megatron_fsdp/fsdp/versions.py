@@ -385,6 +385,37 @@ def hybrid_model_problem() -> str | None:
     )
 
 
+def v2_fully_shard_problem() -> str | None:
+    """Why this megatron-core has no standalone Megatron-FSDP V2 API, in one line (None: it has).
+
+    ``megatron_fsdp.experimental`` with ``fully_shard_context``, ``Placements`` and its own DCP
+    ``save_checkpoint``/``load_checkpoint`` (``experimental/checkpoint.py``, Megatron-LM PR #6024)
+    is on Megatron-LM main; megatron-core 0.19.2 ships an earlier ``experimental`` package without
+    them, 0.16.1 none. Reads the files through ``megatron.core``'s spec (editable installs
+    included), importing nothing.
+    """
+    import os
+    from importlib import util
+
+    try:
+        spec = util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        spec = None
+    experimental = os.path.join("distributed", "fsdp", "src", "megatron_fsdp", "experimental")
+    roots = spec.submodule_search_locations if spec is not None else None
+    for root in roots or ():
+        entry = os.path.join(root, experimental, "fully_shard.py")
+        if os.path.isfile(os.path.join(root, experimental, "checkpoint.py")) and os.path.isfile(entry):
+            with open(entry, encoding="utf-8") as source:
+                text = source.read()
+            if "def fully_shard_context" in text and "class Placements" in text:
+                return None
+    return (
+        f"megatron-core {package_version('megatron-core')} has no standalone Megatron-FSDP V2 API "
+        "(megatron_fsdp.experimental: fully_shard_context, Placements, save_checkpoint; Megatron-LM PR #6024)"
+    )
+
+
 def missing_features_line() -> str | None:
     """The session header's line for what this megatron-core lacks of V2 and HybridModel (their
     tests skip, one line each); None when it has both."""

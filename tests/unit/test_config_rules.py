@@ -112,6 +112,9 @@ BAD: dict[str, Bad] = {
     "hybrid-pattern-symbols": Bad(
         {"model.preset": "tiny-hybrid", "model.hybrid_layer_pattern": "*-x-"}, stack=HYBRID_HERE
     ),
+    "hybrid-moe-experts": Bad(
+        {"model.preset": "tiny-hybrid", "model.hybrid_layer_pattern": "*-*E"}, stack=HYBRID_HERE
+    ),
     "hybrid-pattern-layers": Bad(
         {"model.preset": "tiny-hybrid", "model.hybrid_layer_pattern": "*-*"}, stack=HYBRID_HERE
     ),

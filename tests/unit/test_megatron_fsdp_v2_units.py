@@ -99,8 +99,8 @@ def test_v2_checkpoint_save_is_refused_before_the_disk(monkeypatch):
         (
             "*-M-",
             4,
-            "model.hybrid_layer_pattern='*-M-': the harness builds '*' (self-attention) and "
-            "'-' (MLP) layers only, not 'M'; write a pattern such as '*-*-'",
+            "model.hybrid_layer_pattern='*-M-': the harness builds '*' (self-attention), "
+            "'-' (MLP), 'E' (MoE) layers only, not 'M'; write a pattern such as '*-*-'",
         ),
         (
             "*-",
