@@ -4,13 +4,17 @@
 #
 # Test tiers (each a directory; `make <tier>` runs one):
 #   unit           tests/unit: in-process, no rank set, no pytest session in a subprocess
-#   integration    tests/integration + tests/selftest: real rank sets, pytester, torchrun and srun
-#                  sessions; INTEGRATION_WORKERS=2 pytest-xdist workers
+#   integration    tests/integration + tests/selftest: real rank sets, one plugin behaviour per pytester,
+#                  torchrun or srun session; INTEGRATION_WORKERS=2 pytest-xdist workers
 #   functional     tests/functional: the smoke suite users run
-#   e2e            tests/e2e: what re-runs a whole suite or drives the build (the functional files
-#                  under pytest -n 2, reshards across world sizes 2/4/2/1, the wheel in a fresh venv,
-#                  make test/smoke leaving $TMPDIR clean); minutes each, so CI runs it on both stacks
-#                  and `make test` does not; INTEGRATION_WORKERS pytest-xdist workers too
+#   e2e            tests/e2e: whole scenarios: what re-runs a whole suite or drives the build (the
+#                  functional files under pytest -n 2, reshards across world sizes 2/4/2/1, the wheel in
+#                  a fresh venv, make test/smoke leaving $TMPDIR clean), a fault or a bound waited out
+#                  (timeouts under every launcher, hangs beside CPU hogs, killed ranks and saves, srun
+#                  steps, reruns in fresh rank sets), xdist and two-node launches, foreign suites;
+#                  minutes each, so CI runs it on both stacks and `make test` does not (run it before
+#                  a change to the launch, fault or foreign-suite code lands); INTEGRATION_WORKERS
+#                  pytest-xdist workers too
 #   reproductions  tests/reproductions: upstream bugs shown with torch alone; CI runs them, `make test`
 #                  does not
 #

@@ -126,7 +126,7 @@ def torchrun_pytest_command(*pytest_args: str, nproc: int = 2) -> list[str]:
 
 
 def free_srun_job_id(nodes: int) -> int:
-    """A job id for tests/integration/srun_sim.py whose derived port (20000 + id mod 10000) is free
+    """A job id for tests/srun_sim.py whose derived port (20000 + id mod 10000) is free
     on every loopback "node"."""
     for _ in range(200):
         job = random.randrange(10**6, 10**7)
@@ -143,7 +143,7 @@ def free_srun_job_id(nodes: int) -> int:
 
 @pytest.fixture
 def srun_job_id() -> Callable[[int], int]:
-    """``srun_job_id(nodes)``: a job id for tests/integration/srun_sim.py (see :func:`free_srun_job_id`)."""
+    """``srun_job_id(nodes)``: a job id for tests/srun_sim.py (see :func:`free_srun_job_id`)."""
     return free_srun_job_id
 
 
@@ -287,18 +287,27 @@ def run_scenario(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Scen
     return run
 
 
-#: Each xdist-run tier's longest files, longest first: seconds in one process, 2-core machine otherwise
-#: idle, 2026-12-01, newest stack (Python 3.12.1, torch 2.14.1, megatron-core 0.19.2). They run first so
-#: that neither pytest-xdist worker (``--dist loadfile --no-loadscope-reorder``: whole files, handed
-#: out in collection order) ends the session alone on one of them.
+#: Each xdist-run tier's longest files, longest first. They run first so that neither pytest-xdist
+#: worker (``--dist loadfile --no-loadscope-reorder``: whole files, handed out in collection order) ends
+#: the session alone on one of them. Seconds per file, summed over its tests under 2 workers, newest
+#: stack (Python 3.12.1, torch 2.14.1, megatron-core 0.19.2), 2-core Intel Xeon with avx512_bf16/AMX,
+#: another job beside it (load average 4-7), 2026-12-04; the e2e tier's last four: one process, idle,
+#: 2026-12-01.
 LONGEST_FIRST = {
     "integration": (
-        "test_faults.py",  # 79 s; test_launch_modes.py ~32 s since its xdist run moved; the others 3-48 s
+        "test_inert_sessions.py",  # 138 s (22 s of it one late-start check, 90 s under that load)
+        "test_warnings_relay.py",  # 54 s; then test_startup_sessions.py and the others, 2-48 s
     ),
     "e2e": (
+        "test_torchrun_timeouts.py",  # 253 s: the timeout scenario under four launchers, stuck ranks
         "test_functional_under_xdist.py",  # 245 s: the checkpoint and strategy files under pytest -n 2
+        "test_hang_or_slow.py",  # 139 s: hang bounds waited out beside CPU hogs
+        "test_foreign_suite.py",  # 116 s
+        "test_reruns.py",  # 99 s
+        "test_faults.py",  # 93 s
         "test_checkpoint_resharding.py",  # 83 s: world sizes 2, 4, 2 and 1 in turn
         "test_wheel.py",  # 70-80 s: build, fresh venv, a 2-rank example
+        "test_srun_steps.py",  # 70 s
         "test_leftovers.py",  # make test and make smoke on a small file
     ),
 }

@@ -1,6 +1,6 @@
 """The functional suite's checkpoint and strategy files under ``pytest -n 2``: a whole suite run again
-(245 s of the 277 s test_launch_modes.py took, 2026-12-01), so the end-to-end tier's, not the
-integration tier's (the other launch modes: tests/integration/test_launch_modes.py)."""
+(245 s of the 277 s test_launch_modes.py took, 2026-12-01; the other launch modes:
+tests/e2e/test_launch_modes.py)."""
 
 import os
 import subprocess

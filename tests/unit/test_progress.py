@@ -1,6 +1,6 @@
 """Hung or slow (``harness/progress.py``): the signs of progress one look sees, the verdict on a test
 whose ranks got nowhere or were still getting somewhere, and the beacons that share every rank's
-progress through the store. The sessions that show the verdicts: tests/integration/test_hang_or_slow.py."""
+progress through the store. The sessions that show the verdicts: tests/e2e/test_hang_or_slow.py."""
 
 from __future__ import annotations
 

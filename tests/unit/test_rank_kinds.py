@@ -1,7 +1,7 @@
 """The two kinds of rank, in process: both rank roles register the one rank plugin class
 (``roles.ranks.RankPlugin``), and what differs between a rank of a set the parent launched and a
 rank of a torchrun session the user started is its kind (``LaunchedRank``, ``TorchrunRank``), each
-fact stated once there. The real sessions are the integration tier's (test_faults.py and
+fact stated once there. The real sessions are the end-to-end tier's (test_faults.py and
 test_torchrun_timeouts.py among others)."""
 
 from __future__ import annotations

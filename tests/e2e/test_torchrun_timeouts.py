@@ -188,8 +188,8 @@ def test_a_rank_stuck_in_c_ends_the_session_with_every_result_reported(inner_ses
 
 
 def _srun_step(job_id: int, pytest_args: list[str]) -> list[str]:
-    """One srun step of 2 tasks on one node (tests/integration/srun_sim.py)."""
-    sim = Path(__file__).with_name("srun_sim.py")
+    """One srun step of 2 tasks on one node (tests/srun_sim.py)."""
+    sim = Path(__file__).parent.parent / "srun_sim.py"
     job = f"--job-id={job_id}"
     return [
         sys.executable,

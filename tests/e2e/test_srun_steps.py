@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SIM = Path(__file__).with_name("srun_sim.py")
+SIM = Path(__file__).parent.parent / "srun_sim.py"
 
 STEP_TESTS = """
 import os

@@ -1,6 +1,6 @@
 """A stand-in for ``srun``: starts a step's tasks with the variables Slurm gives them, no Slurm needed.
 
-    python tests/integration/srun_sim.py --nodes 2 --ntasks-per-node 2 -- python -m pytest tests/x.py
+    python tests/srun_sim.py --nodes 2 --ntasks-per-node 2 -- python -m pytest tests/x.py
 
 Each "node" is a loopback address (127.0.0.1, 127.0.0.2, ...; the step's node list is given in
 Slurm's compressed form, ``127.0.0.[1-2]``), each task a process with ``SLURM_PROCID``,
