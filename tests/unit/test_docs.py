@@ -323,6 +323,22 @@ def test_a_recorded_summary_lists_each_gpu_only_test_under_its_cause() -> None:
     assert "Upstream tests it covered in the recorded run: 0." in page[page.index("## mamba_ssm") :]
 
 
+#: a merge left unresolved: git's opening and closing markers, each at the start of a line with the
+#: side's name (the middle one, seven "=", could be a heading's underline)
+CONFLICT_MARKER = re.compile(r"^(<{7}|>{7}) \S", re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*PAGES, ROOT / "Makefile", ROOT / "pyproject.toml", ROOT / ".ci" / "run"],
+    ids=lambda path: path.relative_to(ROOT).as_posix(),
+)
+def test_no_unresolved_merge(path: Path) -> None:
+    # a conflict once sat in README.md through a CI run: Markdown renders it without complaint
+    hits = [match.group(0) for match in CONFLICT_MARKER.finditer(path.read_text(encoding="utf-8"))]
+    assert not hits, f"{path.relative_to(ROOT)} holds an unresolved merge: {hits}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(ROOT).as_posix())
 def test_no_dated_language(page: Path) -> None:
     hits = [
