@@ -324,17 +324,37 @@ def main_thread_stuck(nodeid: str, rank: int, grace: float) -> str:
     )
 
 
-def timed_out_and_stuck(nodeid: str, rank: int, grace: float, banner: str, stacks: str) -> str:
-    """The failure of a test whose rank never came back from its timeout, reported by that rank's
-    watchdog as the session ends (rank 0 writes the JUnit file and the summary from there)."""
-    return "\n".join(
-        [banner, f"megatron-fsdp: {main_thread_stuck(nodeid, rank, grace)}", "stacks:", stacks.rstrip()]
+def signal_not_taken(nodeid: str, rank: int, grace: float) -> str:
+    """Why a rank reports the session from another thread after a signal that ends it: its main
+    thread did not take the signal in Python within ``grace`` seconds."""
+    return (
+        f"rank {rank} did not take the signal within {grace:g} s during {nodeid} (its main thread is "
+        "stuck outside Python: a C or C++ call, a collective whose peer is gone); the rank reports "
+        "the session and is ended"
     )
+
+
+def stuck_failure(banner: str, why: str, stacks: str) -> str:
+    """The failure of a test whose rank's main thread never came back (from its timeout, or to take
+    a signal), reported by that rank's watchdog as the session ends (rank 0 writes the JUnit file
+    and the summary from there)."""
+    return "\n".join([banner, f"megatron-fsdp: {why}", "stacks:", stacks.rstrip()])
 
 
 def not_run(nodeid: str, rank: int) -> str:
     """Why a test after a rank that never came back from a timeout was not run."""
     return f"not run: the session ended after {nodeid} timed out on rank {rank}"
+
+
+def interrupted(nodeid: str, rank: int, why: str) -> str:
+    """The failure of the test a signal ended the session in (a CI cancel: torchrun's agent or srun
+    passes SIGTERM on to the ranks)."""
+    return f"interrupted ({why}) on rank {rank} during {nodeid}: the session ends here"
+
+
+def not_run_after_interrupt(nodeid: str, why: str) -> str:
+    """Why a test after the one a signal interrupted was not run."""
+    return f"not run: the session was interrupted ({why}) during {nodeid}"
 
 
 def tests_not_run_heading(count: int) -> str:

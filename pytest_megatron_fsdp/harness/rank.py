@@ -75,6 +75,13 @@ RECOVERY_GRACE_S = 20.0
 #: main thread not being back in Python by then: a rank stuck outside Python for good would hold
 #: its peers in their collectives with it until the process-group timeout.
 RELEASE_AFTER_S = 2.0
+#: After a signal that ends the session (SIGTERM: a CI cancel), how long the main thread has to take
+#: it in Python before the rank releases its process group, and then as long again before the rank
+#: reports the session from another thread and ends: torchrun SIGKILLs its ranks 30 s after its
+#: SIGTERM.
+SIGNAL_GRACE_S = 3.0
+#: How long a rank ended that way waits for rank 0's report before it ends: within those 30 s too.
+SIGNAL_REPORT_WAIT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,12 @@ class RankRunner:
         self._interrupt = MainThreadInterrupt()
         #: the tests the session did not run after a rank never came back from a timeout
         self._not_run: list[str] = []
+        #: whether the current test's agreed reports went through pytest's hooks
+        self._reported = False
+        #: the test this rank runs now (None between tests), for a signal's watcher thread
+        self._running_item: pytest.Item | None = None
+        #: set once the main thread took a signal that ends the session (KeyboardInterrupt)
+        self._interrupt_taken = threading.Event()
         #: set when a peer never came back from a timeout: rank 0 tells it once the session is
         #: reported (at unconfigure), so that its end cannot stop rank 0 first
         self._stuck_peer_session: RankSession | None = None
@@ -318,8 +331,48 @@ class RankRunner:
         rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
         if rank_session is None:
             return None
+        self._running_item = item
+        try:
+            return self._run(item, nextitem, rank_session)
+        except KeyboardInterrupt as exc:
+            # a signal (SIGTERM from torchrun's agent or srun: a CI cancel) ends the session: this
+            # test fails and each later one is reported not run, by name, before pytest ends the
+            # session as interrupted (rank 0's JUnit file and summary carry them)
+            self._interrupt_taken.set()
+            self._report_interrupted(item, rank_session, str(exc) or "KeyboardInterrupt")
+            raise
+        finally:
+            self._running_item = None
+
+    def signal_received(self, why: str) -> None:
+        """From a signal watcher's thread: a signal that ends the session arrived (``why``: which).
+        The main thread takes it where it is in Python (:meth:`run` reports the session); one stuck
+        outside Python, in a collective whose peer is gone, would not: after
+        :data:`SIGNAL_GRACE_S` this thread releases the process group, and the main thread still
+        not back, reports the session itself and ends the rank, within torchrun's 30 s."""
+        item = self._running_item
+        if item is None or self._interrupt_taken.wait(SIGNAL_GRACE_S):
+            return
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
+        if rank_session is not None:
+            with contextlib.suppress(Exception):  # a group already gone: nothing to release
+                rank_session.release_peers()
+            self._released = True
+        if self._interrupt_taken.wait(SIGNAL_GRACE_S):
+            return
+        self._end_stuck(
+            item,
+            explain.interrupted(item.nodeid, self.rank, why),
+            time.monotonic(),
+            why=explain.signal_not_taken(item.nodeid, self.rank, 2 * SIGNAL_GRACE_S),
+            not_run=explain.not_run_after_interrupt(item.nodeid, why),
+            report_wait_s=SIGNAL_REPORT_WAIT_S,
+        )
+
+    def _run(self, item: pytest.Item, nextitem: pytest.Item | None, rank_session: RankSession) -> bool:
         index = self._test_index
         self._test_index += 1
+        self._reported = False
         timeout = self.timeout_for(item)
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         self._log(f"START {item.nodeid} (timeout {timeout:g} s)")
@@ -357,7 +410,38 @@ class RankRunner:
         self._log_merged(item, merged)
         return True
 
+    def _report_interrupted(self, item: pytest.Item, rank_session: RankSession, why: str) -> None:
+        self._log(f"{item.nodeid}: {why}")
+        # a peer whose main thread could not take the signal ends once rank 0 has reported
+        self._stuck_peer_session = rank_session
+        with contextlib.suppress(Exception):  # a peer waiting in a collective comes back
+            rank_session.release_peers()
+        self._released = True
+        # The fixtures' teardown now, while the rank session is up: pytest would tear them down at
+        # the session's end, after this plugin has closed the session they need.
+        with contextlib.suppress(Exception):
+            pytest_compat.teardown_local_state(item, None)
+        if not self._reported:
+            self._report_failed_alone(item, explain.interrupted(item.nodeid, self.rank, why))
+        self._report_not_run(item, explain.not_run_after_interrupt(item.nodeid, why))
+
+    def _report_failed_alone(self, item: pytest.Item, message: str) -> None:
+        """``item`` failed with ``message`` as this rank alone reports it (no agreement: the session
+        cannot go on), through pytest's report hooks (the terminal, the JUnit file)."""
+        for when, outcome in (("setup", "passed"), ("call", "failed"), ("teardown", "passed")):
+            report = pytest.TestReport(
+                nodeid=item.nodeid,
+                location=item.location,
+                keywords={k: 1 for k in item.keywords},
+                outcome=outcome,  # type: ignore[arg-type]
+                longrepr=headlined_failure(item, message) if outcome == "failed" else None,
+                when=when,  # type: ignore[arg-type]
+            )
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
     def _log_merged(self, item: pytest.Item, merged: list[pytest.TestReport]) -> None:
+        self._reported = True
         if self._test_warnings:
             self._event(protocol.Warnings(nodeid=item.nodeid, warnings=self._test_warnings))
         for report in merged:
@@ -622,14 +706,28 @@ class RankRunner:
             self._released = True
         if done.wait(max(expired_at + RECOVERY_GRACE_S - time.monotonic(), 0)):
             return
-        self._end_stuck(item, banner, expired_at)
+        self._end_stuck(
+            item,
+            banner,
+            expired_at,
+            why=explain.main_thread_stuck(item.nodeid, self.rank, RECOVERY_GRACE_S),
+            not_run=explain.not_run(item.nodeid, self.rank),
+        )
 
-    def _end_stuck(self, item: pytest.Item, banner: str, expired_at: float) -> None:
-        """The main thread never came back from the timeout: tell the peers (they stop waiting for
-        this rank's outcome), report the session from here on rank 0 (every result so far, this test
-        failed, the rest not run: JUnit file and summary), leave once rank 0 has reported, end."""
-        nodeid = item.nodeid
-        why = explain.main_thread_stuck(nodeid, self.rank, RECOVERY_GRACE_S)
+    def _end_stuck(
+        self,
+        item: pytest.Item,
+        banner: str,
+        expired_at: float,
+        why: str,
+        not_run: str,
+        report_wait_s: float = RECOVERY_GRACE_S + 7,
+    ) -> None:
+        """The main thread never came back (from the timeout, or to take a signal; ``why`` says
+        which): tell the peers (they stop waiting for this rank's outcome), report the session from
+        here on rank 0 (every result so far, this test failed, the rest reported ``not_run``: JUnit
+        file and summary), leave once rank 0 has reported (at most ``report_wait_s`` after
+        ``expired_at``), end."""
         stacks = _stacks_of_every_thread()
         with contextlib.suppress(OSError, ValueError):
             self._log(why)
@@ -639,21 +737,21 @@ class RankRunner:
         if rank_session is not None:
             rank_session.mark_stuck(why)
         if self.rank == 0 and self.duties.reports_itself:
-            message = explain.timed_out_and_stuck(nodeid, self.rank, RECOVERY_GRACE_S, banner, stacks)
+            message = explain.stuck_failure(banner, why, stacks)
             with contextlib.suppress(Exception):  # whatever a hook raises, the rank ends below
-                self._report_from_watchdog(item, message)
+                self._report_from_watchdog(item, message, not_run)
             if rank_session is not None:
                 rank_session.mark_closing()
                 rank_session.mark_reported()
         elif rank_session is not None:
             # torchrun stops every rank as soon as one exits: rank 0 reports first
             rank_session.mark_closing()
-            rank_session.wait_reported(expired_at + RECOVERY_GRACE_S + 7)
+            rank_session.wait_reported(expired_at + report_wait_s)
         self._remove_temp_trees()
         save_coverage()  # os._exit skips the atexit handler that would write it
         os._exit(TIMEOUT_EXIT_CODE)
 
-    def _report_from_watchdog(self, item: pytest.Item, message: str) -> None:
+    def _report_from_watchdog(self, item: pytest.Item, message: str, not_run: str) -> None:
         """Rank 0's report of a session whose main thread is stuck, from the watchdog thread: the
         test's failure and the later tests not run go through pytest's report hooks (the terminal,
         the JUnit file), then the session's end hooks write the JUnit file and the summary."""
@@ -661,18 +759,8 @@ class RankRunner:
         self._release_terminal()
         # the rank session's close would wait for this thread's own main thread: it ends without
         self.config.stash[RANK_SESSION] = None
-        for when, outcome in (("setup", "passed"), ("call", "failed"), ("teardown", "passed")):
-            report = pytest.TestReport(
-                nodeid=item.nodeid,
-                location=item.location,
-                keywords={k: 1 for k in item.keywords},
-                outcome=outcome,  # type: ignore[arg-type]
-                longrepr=headlined_failure(item, message) if outcome == "failed" else None,
-                when=when,  # type: ignore[arg-type]
-            )
-            item.ihook.pytest_runtest_logreport(report=report)
-        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        self._report_not_run(item, explain.not_run(item.nodeid, self.rank))
+        self._report_failed_alone(item, message)
+        self._report_not_run(item, not_run)
         self.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)
         sys.stdout.flush()
 

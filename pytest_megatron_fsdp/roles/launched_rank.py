@@ -55,7 +55,9 @@ class LaunchedRank:
     def before_ranks_connect(self, items: list[pytest.Item]) -> None:
         """Nothing: the parent reruns a failed test in a fresh rank set (pytest-rerunfailures)."""
 
-    def install_signal_handlers(self, torchrun: TorchrunEnv) -> Callable[[], None] | None:
+    def install_signal_handlers(
+        self, torchrun: TorchrunEnv, tests_running: Callable[[], bool], on_signal: Callable[[str], None]
+    ) -> Callable[[], None] | None:
         return None  # the parent's handlers end the rank set
 
 

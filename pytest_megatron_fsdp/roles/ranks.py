@@ -76,9 +76,12 @@ class RankKind(Protocol):
         """What the rank refuses in its collected tests before it connects to the others (every
         rank alike)."""
 
-    def install_signal_handlers(self, torchrun: TorchrunEnv) -> Callable[[], None] | None:
-        """The kind's own signal handlers, once its plugin is registered; returns what restores the
-        previous ones at unconfigure."""
+    def install_signal_handlers(
+        self, torchrun: TorchrunEnv, tests_running: Callable[[], bool], on_signal: Callable[[str], None]
+    ) -> Callable[[], None] | None:
+        """The kind's own signal handlers, once its plugin is registered (``tests_running``: whether
+        the session is in its test loop; ``on_signal``: told from another thread of a signal that
+        ends the session); returns what restores the previous ones at unconfigure."""
 
 
 #: each rank role's kind, filled in by the kind's module (:func:`register`)
@@ -113,6 +116,8 @@ class RankPlugin(RolePlugin):
         #: not in foreign-suite mode on CPU ranks)
         self.made_groups = made_groups
         self._restore_signals: Callable[[], None] | None = None
+        #: whether the session is in its test loop (between collection and the session's end)
+        self._tests_running = False
 
     @classmethod
     def prepare(cls, config: pytest.Config, role: ProcessRole) -> None:
@@ -192,7 +197,9 @@ class RankPlugin(RolePlugin):
         return cls(config, role.torchrun, kind, runner, made)
 
     def registered(self) -> None:
-        self._restore_signals = self.kind.install_signal_handlers(self.torchrun)
+        self._restore_signals = self.kind.install_signal_handlers(
+            self.torchrun, lambda: self._tests_running, self.runner.signal_received
+        )
 
     # -- the rank's log -----------------------------------------------------------------------------
 
@@ -268,6 +275,14 @@ class RankPlugin(RolePlugin):
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any], request: Any) -> None:
         if self.made_groups is not None:
             self.made_groups.owner_done(fixturedef)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, object, object]:
+        self._tests_running = True
+        try:
+            return (yield)
+        finally:
+            self._tests_running = False
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:

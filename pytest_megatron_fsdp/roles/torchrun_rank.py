@@ -126,21 +126,42 @@ class TorchrunRank:
         foreign = bool(items) and options.session_values(items[0].config).foreign_suite
         coexist.refuse_rerunfailures_under_torchrun(items, refuse_flaky_marks=not foreign)
 
-    def install_signal_handlers(self, torchrun: TorchrunEnv) -> Callable[[], None] | None:
-        if torchrun.launched_by and threading.current_thread() is threading.main_thread():
+    def install_signal_handlers(
+        self, torchrun: TorchrunEnv, tests_running: Callable[[], bool], on_signal: Callable[[str], None]
+    ) -> Callable[[], None] | None:
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        if torchrun.launched_by:
             # srun ends a step (scancel, the time limit, a task that failed under --kill-on-bad-exit)
             # with SIGTERM, then SIGKILL after KillWait: SIGTERM ends the session as Ctrl-C does, so
             # that the rank's temp dirs and the session's shared dir go with it
-            return _interrupt_on(signal.SIGTERM)
-        return None
+            restore = _interrupt_on(signal.SIGTERM)
+        else:
+            # torchrun's agent passes a SIGTERM or SIGINT it gets (a CI cancel) on to the ranks as
+            # SIGTERM, then SIGKILLs them 30 s later; it also stops the other ranks with SIGTERM
+            # once one exits non-zero, which after the last test is the normal end of a session
+            # with failures (rank 0 may still be writing its JUnit file): only while tests run does
+            # SIGTERM end the session as Ctrl-C does, every result so far reported, the rest named
+            restore = _interrupt_on(signal.SIGTERM, only_while=tests_running)
+        stop_watching = _watch_for(signal.SIGTERM, on_signal)
+
+        def undo() -> None:
+            stop_watching()
+            restore()
+
+        return undo
 
 
-def _interrupt_on(signum: int) -> Callable[[], None]:
-    """``signum`` raises KeyboardInterrupt (a second one ends the process at once); returns the
-    function that puts the previous handler back."""
+def _interrupt_on(signum: int, only_while: Callable[[], bool] = lambda: True) -> Callable[[], None]:
+    """``signum`` raises KeyboardInterrupt while ``only_while()`` (a second one ends the process at
+    once; outside, the signal's default action ends it); returns the function that puts the
+    previous handler back."""
 
     def handle(received: int, frame: Any) -> None:
         signal.signal(received, signal.SIG_DFL)  # a second one is not caught
+        if not only_while():
+            signal.raise_signal(received)
+            return
         raise KeyboardInterrupt(f"signal {signal.Signals(received).name}")
 
     previous = signal.signal(signum, handle)
@@ -149,6 +170,39 @@ def _interrupt_on(signum: int) -> Callable[[], None]:
         signal.signal(signum, previous)
 
     return restore
+
+
+def _watch_for(signum: int, on_signal: Callable[[str], None]) -> Callable[[], None]:
+    """Calls ``on_signal("signal <NAME>")`` from a thread of its own when ``signum`` arrives. The
+    handler above runs only once the main thread is back in Python, which one waiting in a
+    collective whose peer is gone never is; the C-level handler writes every signal that has a
+    Python handler to the wakeup fd at once, which this thread reads. Returns what stops it."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    name = f"signal {signal.Signals(signum).name}"
+
+    def watch() -> None:
+        while True:
+            try:
+                data = os.read(read_end, 64)
+            except OSError:
+                return
+            if not data:  # the write end closed: stopped
+                return
+            if signum in data:
+                on_signal(name)
+
+    thread = threading.Thread(target=watch, name="mfsdp-signal-watch", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        signal.set_wakeup_fd(previous)
+        os.close(write_end)
+        thread.join(5)
+        os.close(read_end)
+
+    return stop
 
 
 register(Role.TORCHRUN_RANK, TorchrunRank())

@@ -5,12 +5,15 @@ healthy test after them; then the process table and the temp dir are checked for
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
+import pytest
 from hang_scenarios import RANK1_SKIPS_THE_BROADCAST
 
 HANG_TIMEOUT_S = 6
@@ -373,16 +376,7 @@ def test_long(dist_env):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    rank_log = logs / "batch1-world2" / "rank0.log"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if rank_log.exists() and "START test_cancel.py::test_long" in rank_log.read_text():
-            break
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        raise AssertionError(f"test_long never started: {proc.communicate()[0]}")
-    time.sleep(1.0)
+    _wait_for_start(proc, logs / "batch1-world2" / "rank0.log", "test_cancel.py::test_long")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=60)[0]
@@ -397,3 +391,114 @@ def test_long(dist_env):
     failure = cases["test_long"].find("failure")
     assert failure is not None, out
     assert "interrupted" in (failure.get("message", "") + (failure.text or "")), out
+
+
+def _wait_for_start(proc: subprocess.Popen[str], rank_log: Path, nodeid: str) -> None:
+    """Until ``nodeid`` has run for a second on rank 0 (its START line in the rank's log)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if rank_log.exists() and f"START {nodeid}" in rank_log.read_text():
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise AssertionError(f"{nodeid} never started: {proc.communicate()[0]}")
+    time.sleep(1.0)
+
+
+#: the test a CI cancel interrupts, by where rank 0's main thread is when SIGTERM comes
+CANCELLED_TEST = {
+    # in Python between collectives: each rank takes the signal there
+    "in_python": """
+    for _ in range(600):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        time.sleep(0.5)
+""",
+    # rank 0 in a collective that rank 1 never enters, on a group something still holds (as a
+    # model holds Megatron's data-parallel groups), so rank 1's release of the process group does
+    # not end the wait: rank 0's main thread never takes the signal
+    "stuck_in_a_collective": """
+    global HELD
+    HELD = dist.new_group([0, 1])
+    if dist_env.rank == 0:
+        dist.all_reduce(torch.ones(1), group=HELD)
+    else:
+        time.sleep(600)
+""",
+}
+
+
+@pytest.mark.parametrize("where", sorted(CANCELLED_TEST))
+def test_sigterm_to_torchrun_mid_test_reports_every_test_and_leaves_nothing(
+    pytester, isolated_tmp, leftover_processes, torchrun_pytest, where
+):
+    """A CI cancel of your own torchrun: SIGTERM to torchrun's agent while a test runs collectives.
+    The agent passes it on to the ranks; rank 0's JUnit file names every test (the finished one
+    passed, the running one failed as interrupted, the next one skipped as not run), the ranks'
+    temp trees go, and nothing is left running; also when rank 0's main thread is stuck in a
+    collective and never takes the signal (its watcher thread reports the session)."""
+    import signal
+
+    pytester.makepyfile(
+        test_cancel=f"""
+import time
+import pytest
+import torch
+import torch.distributed as dist
+
+HELD = None
+
+@pytest.mark.distributed(world_size=2)
+def test_done(dist_env):
+    pass
+
+@pytest.mark.distributed(world_size=2)
+def test_long(dist_env):
+{CANCELLED_TEST[where]}
+
+@pytest.mark.distributed(world_size=2)
+def test_after(dist_env):
+    pass
+"""
+    )
+    logs = pytester.path / "logs"
+    proc = subprocess.Popen(
+        torchrun_pytest(
+            "-p", "no:cacheprovider", "-p", "no:randomly", f"--mfsdp-log-dir={logs}", "--junitxml=junit.xml"
+        ),
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    _wait_for_start(proc, logs / "torchrun" / "rank0.log", "test_cancel.py::test_long")
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=90)[0]
+    # well within torchrun's 30 s between its SIGTERM and its SIGKILL to the ranks
+    assert time.monotonic() - started < 20, out
+    assert proc.returncode != 0, out
+    assert leftover_processes(pytester.path) == [], out
+    suite = ET.parse(pytester.path / "junit.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite[0]
+    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    assert set(cases) == {"test_done", "test_long", "test_after"}, out
+    assert len(cases["test_done"]) == 0, out  # passed: no failure/skip child
+    failure = cases["test_long"].find("failure")
+    assert failure is not None, out
+    assert "interrupted (signal SIGTERM) on rank 0 during test_cancel.py::test_long" in failure.get(
+        "message", ""
+    ), out
+    skipped = cases["test_after"].find("skipped")
+    assert skipped is not None, out
+    assert "not run: the session was interrupted (signal SIGTERM) during test_cancel.py::test_long" in (
+        skipped.get("message", "")
+    ), out
+    assert "megatron-fsdp: 1 test not run" in out, out
+    if where == "stuck_in_a_collective":
+        stuck = "rank 0 did not take the signal within 6 s during test_cancel.py::test_long"
+        assert stuck in (failure.text or ""), out
+    # the ranks' private temp trees and the session's shared dir are gone (torchrun's own
+    # torchelastic_* dir stays: it never removes it)
+    assert [n for n in os.listdir(isolated_tmp) if not n.startswith("torchelastic_")] == [], out

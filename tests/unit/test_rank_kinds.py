@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -110,18 +112,18 @@ def test_only_a_torchrun_rank_refuses_pytest_rerunfailures(pytester):
         TorchrunRank().before_ranks_connect(items)
 
 
-def test_only_a_rank_of_an_srun_step_ends_its_session_on_sigterm():
+def test_a_rank_of_torchrun_or_srun_ends_its_session_on_sigterm_a_launched_rank_leaves_it_to_its_parent():
     step = TorchrunEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launched_by="an srun step")
     before = signal.getsignal(signal.SIGTERM)
-    assert LaunchedRank().install_signal_handlers(step) is None
-    assert TorchrunRank().install_signal_handlers(RANK1) is None  # torchrun's own: not srun
-    restore = TorchrunRank().install_signal_handlers(step)
-    assert restore is not None
-    try:
-        assert signal.getsignal(signal.SIGTERM) is not before
-    finally:
-        restore()
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert LaunchedRank().install_signal_handlers(step, lambda: True, print) is None  # the parent's handlers
+    for env in (RANK1, step):  # your own torchrun's rank, an srun step's
+        restore = TorchrunRank().install_signal_handlers(env, lambda: True, print)
+        assert restore is not None
+        try:
+            assert signal.getsignal(signal.SIGTERM) is not before
+        finally:
+            restore()
+        assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_foreign_suites_ranks_share_their_basetemps_parent(pytester, tmp_path, monkeypatch):
@@ -149,3 +151,29 @@ def test_a_foreign_suites_ranks_share_their_basetemps_parent(pytester, tmp_path,
     plain.option.basetemp = None
     plain.stash[RANK_TEMP] = tmp_path / "private"
     assert kind.basetemp(plain, launch[1]) == str(tmp_path / "private" / "basetemp")
+
+
+def test_sigterm_interrupts_a_torchrun_rank_only_while_its_tests_run() -> None:
+    """While tests run, the signal is Ctrl-C (the session reports what ran and names the rest);
+    outside (torchrun stopping the other ranks after one exited non-zero, at a session's normal
+    end) its default action ends the process as before. SIGUSR1 stands in for SIGTERM in process."""
+    from pytest_megatron_fsdp.roles.torchrun_rank import _interrupt_on
+
+    restore = _interrupt_on(signal.SIGUSR1, only_while=lambda: True)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="signal SIGUSR1"):
+            signal.raise_signal(signal.SIGUSR1)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    # outside the test loop the default action ends the process: in a fresh interpreter
+    code = (
+        "import signal\n"
+        "from pytest_megatron_fsdp.roles.torchrun_rank import _interrupt_on\n"
+        "_interrupt_on(signal.SIGTERM, only_while=lambda: False)\n"
+        "signal.raise_signal(signal.SIGTERM)\n"
+        "print('survived')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
+    assert "survived" not in done.stdout
