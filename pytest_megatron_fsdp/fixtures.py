@@ -144,15 +144,23 @@ def use_hybrid_model(cfg: RunConfig) -> RunConfig:
 def megatron_fsdp_run(
     request: pytest.FixtureRequest, megatron_parallel: DistEnv, run_config: RunConfig
 ) -> Iterator[Callable[..., TrainingRun]]:
-    """Factory: ``megatron_fsdp_run(cfg=None)`` builds the GPT, Megatron-FSDP and its optimizer.
+    """Factory: ``megatron_fsdp_run(cfg=None, pre_wrap_hook=None)`` builds the GPT, Megatron-FSDP and
+    its optimizer (``pre_wrap_hook(model)`` runs on the GPT before the wrapper, as Megatron-Bridge's
+    pre-wrap hooks do, e.g. to freeze parameters).
 
     ``run.train(n)`` returns a :class:`TrainResult`; each result is measured (reduced across ranks)
     and recorded for the session summary, the JSON report and JUnit properties.
     """
     from .fsdp.training import TrainingRun
 
-    def build(observer: RunObserver, cfg: RunConfig | None = None) -> TrainingRun:
-        return TrainingRun(cfg or run_config, megatron_parallel, observer=observer)
+    def build(
+        observer: RunObserver,
+        cfg: RunConfig | None = None,
+        pre_wrap_hook: Callable[[Any], None] | None = None,
+    ) -> TrainingRun:
+        return TrainingRun(
+            cfg or run_config, megatron_parallel, observer=observer, pre_wrap_hook=pre_wrap_hook
+        )
 
     yield from _run_factory(request, megatron_parallel, "run", build)
 

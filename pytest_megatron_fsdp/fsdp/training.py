@@ -93,7 +93,15 @@ class TrainingRun(RunBase):
     #: the scheduler holds the optimizer: closing drops it too
     released: ClassVar[tuple[str, ...]] = ("model", "optimizer", "scheduler")
 
-    def __init__(self, cfg: RunConfig, env: DistEnv, observer: RunObserver | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: DistEnv,
+        observer: RunObserver | None = None,
+        pre_wrap_hook: Callable[[torch.nn.Module], None] | None = None,
+    ) -> None:
+        """``pre_wrap_hook(model)``: called on the built model before the data-parallel wrapper
+        wraps it, as Megatron-Bridge's pre-wrap hooks are (PEFT freezes the base model there)."""
         self.warnings = validate(cfg, env.world_size, platform=env.platform, backend=env.backend)
         for message in self.warnings:
             warnings.warn(message, ConfigWarning, stacklevel=2)
@@ -111,6 +119,8 @@ class TrainingRun(RunBase):
             cfg.ddp.num_distributed_optimizer_instances,
         )
         gpt = model_builder.build_gpt(cfg, self.preset, env)
+        if pre_wrap_hook is not None:
+            pre_wrap_hook(gpt)
         self.model = model_builder.wrap_data_parallel(cfg, gpt, env)
         try:
             self.optimizer = get_megatron_optimizer(

@@ -510,6 +510,17 @@ OPTIM_SYNC_DOUBLE_REDUCE = KnownBug(
     fixed_in="0.20.0",
 )
 
+#: Megatron-FSDP V1 on a model with frozen parameters (fine-tuning: PEFT freezes the base model before
+#: the wrapper): each unit's post-accumulate-grad hook is registered on every parameter, and torch
+#: refuses one on a parameter that does not require grad. Megatron-LM PR #2841 (2026-02-12, first in
+#: core_v0.17.0) registers them on trainable parameters only.
+FSDP_FROZEN_PARAMS_HOOK = KnownBug(
+    "upstream bug (measured on megatron-core 0.16.1): wrapping a model with frozen parameters in "
+    "Megatron-FSDP raises 'cannot register a hook on a tensor that doesn't require gradient' (its "
+    "post-accumulate-grad hooks go on every parameter); fixed in megatron-core 0.17 (Megatron-LM PR #2841)",
+    fixed_in="0.17",
+)
+
 #: A data-parallel size of 1 on megatron-core 0.16: optim_grads_params reports twice DDP's grad norm.
 FSDP_GRAD_NORM_DOUBLED_AT_DP1 = KnownBug(
     "upstream bug (measured 2026-12-03 on megatron-core 0.16.1, one CPU rank): with a data-parallel "
@@ -619,6 +630,7 @@ KNOWN_BUGS = {
     "fsdp2_finish_grad_sync": FSDP2_FINISH_GRAD_SYNC,
     "v2_grad_norm_over_dp": V2_GRAD_NORM_OVER_DP,
     "fsdp_grad_norm_doubled_at_dp1": FSDP_GRAD_NORM_DOUBLED_AT_DP1,
+    "fsdp_frozen_params_hook": FSDP_FROZEN_PARAMS_HOOK,
 }
 
 _CITATION = re.compile(r"(?:Megatron-(?:LM|Bridge) )?(?:PR|issue) #\d+")
