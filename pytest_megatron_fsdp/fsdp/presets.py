@@ -106,6 +106,22 @@ class ModelPreset:
         return -(-self.vocab_size // 128) * 128
 
 
+#: the tiny GPT as a HybridModel; the MoE preset below is it with one MLP layer made a MoE layer
+_TINY_HYBRID = ModelPreset(
+    name="tiny-hybrid",
+    description="the tiny GPT as a HybridModel: pattern *-*- (attention, MLP, attention, MLP)",
+    num_layers=4,
+    hybrid_layer_pattern="*-*-",
+    hidden_size=64,
+    ffn_hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=4,
+    vocab_size=128,
+    seq_length=32,
+    micro_batch_size=2,
+    recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),  # as tiny's: exact parity with DDP
+)
+
 PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
         name="tiny",
@@ -123,35 +139,15 @@ PRESETS: dict[str, ModelPreset] = {
         # wrappers sum in a different order differs in the last bits (set optimizer.clip_grad to clip).
         recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),
     ),
-    "tiny-hybrid": ModelPreset(
-        name="tiny-hybrid",
-        description="the tiny GPT as a HybridModel: pattern *-*- (attention, MLP, attention, MLP)",
-        num_layers=4,
-        hybrid_layer_pattern="*-*-",
-        hidden_size=64,
-        ffn_hidden_size=256,
-        num_attention_heads=4,
-        num_query_groups=4,
-        vocab_size=128,
-        seq_length=32,
-        micro_batch_size=2,
-        recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),  # as tiny's: exact parity with DDP
-    ),
-    "tiny-hybrid-moe": ModelPreset(
+    "tiny-hybrid": _TINY_HYBRID,
+    "tiny-hybrid-moe": replace(
+        _TINY_HYBRID,
         name="tiny-hybrid-moe",
         description=(
             "the tiny HybridModel with every layer kind built without CUDA kernels: pattern *-*E "
             "(attention, MLP, attention, MoE of 4 experts, top-2, local experts)"
         ),
-        num_layers=4,
         hybrid_layer_pattern="*-*E",
-        hidden_size=64,
-        ffn_hidden_size=256,
-        num_attention_heads=4,
-        num_query_groups=4,
-        vocab_size=128,
-        seq_length=32,
-        micro_batch_size=2,
         # no biases, as MoE models are built: megatron-core's local experts (SequentialMLP) add the
         # expert bias in place onto RowParallelLinear's output, which at tensor-parallel size 1 is a
         # view returned by a custom autograd Function, and autograd refuses that (measured on
@@ -166,7 +162,6 @@ PRESETS: dict[str, ModelPreset] = {
             "moe_aux_loss_coeff": 0.0,
             "moe_router_load_balancing_type": "none",
         },
-        recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),  # as tiny's: exact parity with DDP
     ),
     "bridge-reference": ModelPreset(
         name="bridge-reference",

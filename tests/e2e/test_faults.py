@@ -383,14 +383,17 @@ def test_long(dist_env):
     assert time.monotonic() - started < 30, out
     assert proc.returncode != 0, out
     assert leftover_processes(pytester.path) == [], out
-    suite = ET.parse(pytester.path / "junit.xml").getroot()
-    suite = suite if suite.tag == "testsuite" else suite[0]
-    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    cases = _junit_cases(pytester.path / "junit.xml")
     assert set(cases) == {"test_done", "test_long"}, out
     assert len(cases["test_done"]) == 0  # passed: no failure/skip child
     failure = cases["test_long"].find("failure")
     assert failure is not None, out
     assert "interrupted" in (failure.get("message", "") + (failure.text or "")), out
+
+
+def _junit_cases(path: Path) -> dict[str | None, ET.Element]:
+    """A JUnit file's test cases by name."""
+    return {case.get("name"): case for case in ET.parse(path).getroot().iter("testcase")}
 
 
 def _wait_for_start(proc: subprocess.Popen[str], rank_log: Path, nodeid: str) -> None:
@@ -480,9 +483,7 @@ def test_after(dist_env):
     assert time.monotonic() - started < 20, out
     assert proc.returncode != 0, out
     assert leftover_processes(pytester.path) == [], out
-    suite = ET.parse(pytester.path / "junit.xml").getroot()
-    suite = suite if suite.tag == "testsuite" else suite[0]
-    cases = {case.get("name"): case for case in suite.iter("testcase")}
+    cases = _junit_cases(pytester.path / "junit.xml")
     assert set(cases) == {"test_done", "test_long", "test_after"}, out
     assert len(cases["test_done"]) == 0, out  # passed: no failure/skip child
     failure = cases["test_long"].find("failure")

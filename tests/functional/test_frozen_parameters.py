@@ -19,25 +19,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from small_models import CLASSES, WIDTH, Block
 
 from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased
 from pytest_megatron_fsdp.fsdp import versions
 
 ITERS = 6
 GPU_RTOL = 1e-5
-WIDTH = 32
 VOCAB = 64
-CLASSES = 8
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = torch.nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 class FrozenEmbeddingNet(torch.nn.Module):

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from small_models import Block, classification_loss, projection_batches
 
 from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased
 from pytest_megatron_fsdp.fsdp import versions
@@ -22,16 +23,6 @@ from pytest_megatron_fsdp.fsdp import versions
 ITERS = 6
 GPU_RTOL = 1e-5
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-
-
-class Block(torch.nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(width, 2 * width)
-        self.down = torch.nn.Linear(2 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 class TwoBlockMLP(torch.nn.Module):
@@ -49,23 +40,6 @@ def _model(seed: int = 0, dtype: torch.dtype = torch.float32) -> TwoBlockMLP:
     return TwoBlockMLP().to(dtype)
 
 
-def _batches(rank: int, dtype: torch.dtype = torch.float32):
-    """Each rank its own reproducible data: a learnable rule (class = argmax of a fixed projection)."""
-    projection = torch.randn(32, 8, generator=torch.Generator().manual_seed(99))
-
-    def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 * rank + iteration)
-        x = torch.randn(16, 32, generator=g)
-        return x.to(dtype), (x @ projection).argmax(dim=1)
-
-    return batch
-
-
-def _loss(model: torch.nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x).float(), y)
-
-
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -74,7 +48,9 @@ def _ddp_result(dist_env, optimizer=_sgd):
     from pytest_megatron_fsdp.fsdp.fully_shard import train_with_torch_ddp
 
     model = _model()
-    return train_with_torch_ddp(model, optimizer(model), _batches(dist_env.rank), _loss, dist_env, ITERS)
+    return train_with_torch_ddp(
+        model, optimizer(model), projection_batches(dist_env.rank), classification_loss, dist_env, ITERS
+    )
 
 
 def _ddp_losses(dist_env, optimizer=_sgd) -> list[float]:
@@ -99,8 +75,8 @@ def test_fully_shard_strategy_matches_torch_ddp(fully_shard_run, dist_env, strat
     run = fully_shard_run(
         model,
         _sgd(model),
-        _batches(dist_env.rank),
-        _loss,
+        projection_batches(dist_env.rank),
+        classification_loss,
         zero_dp_strategy=strategy,
         fsdp_unit_modules=[Block],
     )
@@ -127,8 +103,8 @@ def test_fully_shard_whole_model_as_one_unit_matches_torch_ddp(fully_shard_run, 
     run = fully_shard_run(
         model,
         _sgd(model),
-        _batches(dist_env.rank),
-        _loss,
+        projection_batches(dist_env.rank),
+        classification_loss,
         zero_dp_strategy="optim_grads_params",
         fsdp_unit_modules=[TwoBlockMLP],
     )
@@ -150,7 +126,9 @@ def test_fully_shard_adam_matches_torch_ddp(known_bug, fully_shard_run, dist_env
 
     expected = _ddp_losses(dist_env, adam)
     model = _model()
-    run = fully_shard_run(model, adam(model), _batches(dist_env.rank), _loss, fsdp_unit_modules=[Block])
+    run = fully_shard_run(
+        model, adam(model), projection_batches(dist_env.rank), classification_loss, fsdp_unit_modules=[Block]
+    )
     _assert_same(run.train(ITERS).losses, expected, dist_env.platform, "fully_shard Adam")
 
 
@@ -193,7 +171,7 @@ def test_fully_shard_bf16_mixed_precision_trains(fully_shard_run, dist_env, monk
     run = fully_shard_run(
         model,
         _sgd(model),
-        _batches(dist_env.rank, torch.bfloat16),
+        projection_batches(dist_env.rank, torch.bfloat16),
         loss,
         zero_dp_strategy=strategy,
         mixed_precision_policy=policy,
@@ -230,8 +208,8 @@ def test_fully_shard_hsdp_on_four_ranks_matches_torch_ddp(fully_shard_run, dist_
     run = fully_shard_run(
         model,
         _sgd(model),
-        _batches(dist_env.rank),
-        _loss,
+        projection_batches(dist_env.rank),
+        classification_loss,
         fsdp_unit_modules=[Block],
         device_mesh=mesh,
         dp_shard_dim="dp_shard",
@@ -263,8 +241,8 @@ def test_fully_shard_checkpoint_round_trip_resumes_exactly(
         return fully_shard_run(
             model,
             _sgd(model),
-            _batches(dist_env.rank),
-            _loss,
+            projection_batches(dist_env.rank),
+            classification_loss,
             zero_dp_strategy=strategy,
             fsdp_unit_modules=[Block],
         )

@@ -15,24 +15,12 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from small_models import CLASSES, WIDTH, Block, classification_loss, projection_batches
 
 from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased
 
 ITERS = 4
 GPU_RTOL = 1e-5
-WIDTH = 32
-CLASSES = 8
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = torch.nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 class Net(torch.nn.Module):
@@ -54,22 +42,6 @@ def _net() -> Net:
     return Net()
 
 
-def _batches(rank: int):
-    projection = torch.randn(WIDTH, CLASSES, generator=torch.Generator().manual_seed(99))
-
-    def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 * rank + iteration)
-        x = torch.randn(16, WIDTH, generator=g)
-        return x, (x @ projection).argmax(dim=1)
-
-    return batch
-
-
-def _loss(model: torch.nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -83,11 +55,21 @@ def test_root_parameters_match_torch_ddp(fully_shard_run, dist_env, units, strat
 
     baseline_model = _net()
     baseline = train_with_torch_ddp(
-        baseline_model, _sgd(baseline_model), _batches(dist_env.rank), _loss, dist_env, ITERS
+        baseline_model,
+        _sgd(baseline_model),
+        projection_batches(dist_env.rank),
+        classification_loss,
+        dist_env,
+        ITERS,
     )
     model = _net()
     run = fully_shard_run(
-        model, _sgd(model), _batches(dist_env.rank), _loss, zero_dp_strategy=strategy, fsdp_unit_modules=units
+        model,
+        _sgd(model),
+        projection_batches(dist_env.rank),
+        classification_loss,
+        zero_dp_strategy=strategy,
+        fsdp_unit_modules=units,
     )
     result = run.train(ITERS)
     assert_last_loss_finite(result)

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from small_models import CLASSES, WIDTH, Block, classification_loss, projection_batches
 
 from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased
 from pytest_megatron_fsdp.fsdp import versions
@@ -24,24 +24,12 @@ ITERS = 4
 GPU_RTOL = 1e-5
 #: the global grad norm: float64 sums of squares over shards vs whole tensors (a few ulps)
 GRAD_NORM_RTOL = 1e-6
-WIDTH = 32
-CLASSES = 8
 
 
 @pytest.fixture(autouse=True)
 def _needs_v2_fully_shard():
     if problem := versions.v2_fully_shard_problem():
         pytest.skip(problem)
-
-
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(WIDTH, 2 * WIDTH)
-        self.down = torch.nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
 
 
 class Net(torch.nn.Module):
@@ -70,23 +58,6 @@ def _units(model: Net) -> list[torch.nn.Module]:
     return list(model.blocks)
 
 
-def _batches(rank: int, dtype: torch.dtype = torch.float32):
-    """Each rank its own reproducible data, a function of the iteration (a resumed run continues)."""
-    projection = torch.randn(WIDTH, CLASSES, generator=torch.Generator().manual_seed(99))
-
-    def batch(iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(1000 * rank + iteration)
-        x = torch.randn(16, WIDTH, generator=g)
-        return x.to(dtype), (x @ projection).argmax(dim=1)
-
-    return batch
-
-
-def _loss(model: torch.nn.Module, batch) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x).float(), y)
-
-
 def _sgd(parameters) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
 
@@ -98,7 +69,15 @@ def _adamw(parameters) -> torch.optim.Optimizer:
 def _v2_run(dist_env, model, optimizer=_sgd, **kwargs):
     from pytest_megatron_fsdp.fsdp.fully_shard_v2 import FullyShardV2Run
 
-    return FullyShardV2Run(model, optimizer, _batches(dist_env.rank), _loss, dist_env, units=_units, **kwargs)
+    return FullyShardV2Run(
+        model,
+        optimizer,
+        projection_batches(dist_env.rank),
+        classification_loss,
+        dist_env,
+        units=_units,
+        **kwargs,
+    )
 
 
 def _ddp(dist_env, optimizer=_sgd):
@@ -106,7 +85,12 @@ def _ddp(dist_env, optimizer=_sgd):
 
     model = _net()
     return train_with_torch_ddp(
-        model, optimizer(model.parameters()), _batches(dist_env.rank), _loss, dist_env, ITERS
+        model,
+        optimizer(model.parameters()),
+        projection_batches(dist_env.rank),
+        classification_loss,
+        dist_env,
+        ITERS,
     )
 
 
@@ -154,7 +138,12 @@ def test_v2_fully_shard_checkpoint_resumes_exactly(dist_env, checkpoint_dir, dty
 
     def build(seed: int) -> FullyShardV2Run:
         return FullyShardV2Run(
-            _net(seed, dtype), _adamw, _batches(dist_env.rank, dtype), _loss, dist_env, units=_units
+            _net(seed, dtype),
+            _adamw,
+            projection_batches(dist_env.rank, dtype),
+            classification_loss,
+            dist_env,
+            units=_units,
         )
 
     run = build(0)
