@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from test_fully_shard import ITERS, STRATEGIES, Block, _batches, _ddp_result, _loss, _model, _sgd
+from small_models import Block, classification_loss, projection_batches
+from test_fully_shard import ITERS, STRATEGIES, _ddp_result, _model, _sgd
 
 from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased
 
@@ -28,8 +29,8 @@ def test_fully_shard_on_four_ranks_matches_torch_ddp(fully_shard_run, dist_env, 
     run = fully_shard_run(
         model,
         _sgd(model),
-        _batches(dist_env.rank),
-        _loss,
+        projection_batches(dist_env.rank),
+        classification_loss,
         zero_dp_strategy=strategy,
         fsdp_unit_modules=[Block],
     )
