@@ -21,6 +21,7 @@ from .fixtures import (  # noqa: F401  (fixtures)
     checkpoint_dir,
     dist_env,
     fully_shard_run,
+    fully_shard_v2_run,
     megatron_fsdp_run,
     megatron_parallel,
     run_config,

@@ -948,6 +948,6 @@ MUTANTS: tuple[Mutant, ...] = (
         dropped set_optimizer_state_dict: equivalent, DCP loads the optimizer state into the live
         state tensors in place, so the resumed losses were exact.)""",
         needs=V2_FULLY_SHARD,
-        probe="test_v2_fully_shard.py::test_v2_fully_shard_checkpoint_resumes_exactly[bf16]",
+        probe="test_v2_fully_shard.py::test_v2_fully_shard_checkpoint_resumes_exactly[bf16-v2_saves_v2_loads]",
     ),
 )

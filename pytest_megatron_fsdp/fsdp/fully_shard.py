@@ -78,7 +78,59 @@ def global_num_zeros(parameters: Iterable[torch.nn.Parameter], env: DistEnv) -> 
     return float(total)
 
 
-class FullyShardRun(RunBase):
+class StandaloneRun(RunBase):
+    """What a run of the standalone API on a model the test brings shares (``fully_shard`` V1 here,
+    V2 in :mod:`.fully_shard_v2`): every rank data-parallel, the loop of :func:`train_steps`, each
+    result told to the observer, the facts the reports name it by."""
+
+    env: DistEnv
+    loss_fn: LossFn
+    iteration: int
+    #: the sharding strategy, as the reports name Megatron-FSDP's strategies
+    strategy: str
+    checkpoint_layout: ClassVar[CheckpointLayout]
+    _batch: Callable[[int], Any]
+    _model_name: str
+    _tokens_per_batch: int
+
+    def facts(self) -> RunFacts:
+        world = self.env.world_size
+        return RunFacts(
+            platform=self.env.platform,
+            preset=self._model_name,
+            strategy=self.strategy,
+            world_size=world,
+            data_parallel_size=world,
+            tokens_per_step=self._tokens_per_batch * world,
+        )
+
+    def train(self, iterations: int) -> TrainResult:
+        """``iterations`` optimizer steps, one batch each, from :attr:`iteration` on; per-step
+        figures as a megatron-core run."""
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}.train() after close()")
+        result = TrainResult(first_iteration=self.iteration + 1)
+        train_steps(
+            self.model,
+            self.optimizer,
+            self._batch,
+            self.loss_fn,
+            self.env,
+            self.iteration,
+            iterations,
+            result,
+        )
+        self.iteration += iterations
+        if self.observer is not None:
+            self.observer.on_result(self, result)
+        return result
+
+
+#: ``fully_shard``'s ``zero_dp_strategy`` numbers, as the reports name the strategies
+STRATEGY_NAMES = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
+
+
+class FullyShardRun(StandaloneRun):
     """``megatron_fsdp.fully_shard(module, optimizer, **kwargs)``, then a training loop (a
     :class:`~.run.Run`; checkpointed as the wrapper's own state dicts, :mod:`.fully_shard_layout`).
 
@@ -109,47 +161,13 @@ class FullyShardRun(RunBase):
         #: told of every result (the fully_shard_run fixture records it), as for a TrainingRun
         self.observer = observer
         self.fully_shard_kwargs = dict(fully_shard_kwargs)
+        strategy = self.fully_shard_kwargs.get("zero_dp_strategy", 3)
+        self.strategy = STRATEGY_NAMES.get(strategy, str(strategy))
         fully_shard_kwargs.setdefault("device", torch.device(env.device))
         self._model_name = type(module).__name__
         self._tokens_per_batch = tokens_per_batch
         self.model, self.optimizer = fully_shard(module, optimizer, **fully_shard_kwargs)
         self.iteration = 0
-
-    def facts(self) -> RunFacts:
-        world = self.env.world_size  # fully_shard here: every rank is data-parallel
-        return RunFacts(
-            platform=self.env.platform,
-            preset=self._model_name,
-            strategy=self.strategy,
-            world_size=world,
-            data_parallel_size=world,
-            tokens_per_step=self._tokens_per_batch * world,
-        )
-
-    @property
-    def strategy(self) -> str:
-        """The zero_dp_strategy, as the reports name Megatron-FSDP's strategies."""
-        names = {0: "no_shard", 1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
-        strategy = self.fully_shard_kwargs.get("zero_dp_strategy", 3)
-        return names.get(strategy, str(strategy))
-
-    def train(self, iterations: int) -> TrainResult:
-        """``iterations`` optimizer steps, one batch each; per-step figures as a megatron-core run."""
-        result = TrainResult(first_iteration=self.iteration + 1)
-        train_steps(
-            self.model,
-            self.optimizer,
-            self._batch,
-            self.loss_fn,
-            self.env,
-            self.iteration,
-            iterations,
-            result,
-        )
-        self.iteration += iterations
-        if self.observer is not None:
-            self.observer.on_result(self, result)
-        return result
 
 
 def train_steps(

@@ -6,7 +6,8 @@ says where it is missing) shards the model in place, unit by unit, inside one
 claimed), each with the ``Placements`` of a sharding strategy; then builds the optimizer over the
 sharded parameters and hands it to ``fully_shard_optimizer``, which refreshes the compute weights
 after every step. Its checkpoints are V2's own ``save_checkpoint``/``load_checkpoint`` (DCP, model
-and optimizer). :class:`FullyShardV2Run` does exactly that and trains with the loop of
+and optimizer), whose state dicts the plugin's verified, atomic checkpoints hold too
+(:mod:`.fully_shard_v2_layout`). :class:`FullyShardV2Run` does exactly that and trains with the loop of
 :mod:`.fully_shard`, so a result compares with :func:`.fully_shard.train_with_torch_ddp`'s.
 
 Imports torch at module level and megatron when a run is built (inside a rank only).
@@ -16,18 +17,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..environment import DistEnv
-from .fully_shard import Batches, LossFn, batch_stream, train_steps
-from .results import TrainResult
-from .run import RunBase
+from . import fully_shard_v2_layout
+from .fully_shard import Batches, LossFn, StandaloneRun, batch_stream
+from .run import CheckpointLayout, RunObserver
 
-#: V2's import path in megatron-core (the standalone ``megatron_fsdp`` of a Megatron-LM checkout is
-#: the same directory)
-V2_API = "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental"
+#: V2's import path in megatron-core
+V2_API = f"{fully_shard_v2_layout.V2_PACKAGE}.experimental"
 
 #: the sharding strategies as V2 placements over one data-parallel mesh axis: (parameter, gradient,
 #: optimizer state); ``Partial("avg")``: a gradient all-reduced whole, ``Shard(0)``: reduce-scattered
@@ -65,7 +65,7 @@ def v2_device(env: DistEnv) -> torch.device:
     return torch.device("cuda", 0 if env.platform == "cpu" else env.local_rank)
 
 
-class FullyShardV2Run(RunBase):
+class FullyShardV2Run(StandaloneRun):
     """``module`` sharded in place by V2: each of ``units(module)`` (children before parents), then
     ``module`` itself, with ``strategy``'s placements over all ranks; ``optimizer(parameters)``
     built on all the sharded parameters (frozen ones included, as a user's ``model.parameters()``)
@@ -73,8 +73,13 @@ class FullyShardV2Run(RunBase):
 
     ``mixed_precision_policy``: V2's ``MixedPrecisionPolicy`` (None: fp32 main weights, gradients
     in the parameters' dtype). ``train(n)`` returns a :class:`TrainResult` like every other run;
-    ``close()`` releases it as every run is released (:class:`~.run.RunBase`).
+    ``close()`` releases it as every run is released (:class:`~.run.RunBase`). Checkpoints: the
+    plugin's ``save_checkpoint(run, dir)`` / ``load_checkpoint(run, dir)`` (verified, atomic, in
+    V2's format: :mod:`.fully_shard_v2_layout`), or V2's own through :meth:`save_checkpoint` /
+    :meth:`load_checkpoint`.
     """
+
+    checkpoint_layout: ClassVar[CheckpointLayout] = fully_shard_v2_layout
 
     def __init__(
         self,
@@ -86,20 +91,26 @@ class FullyShardV2Run(RunBase):
         units: Callable[[torch.nn.Module], Sequence[torch.nn.Module]] = lambda module: (),
         strategy: str = "optim_grads_params",
         mixed_precision_policy: Any = None,
+        observer: RunObserver | None = None,
+        tokens_per_batch: int = 0,
     ) -> None:
+        """``tokens_per_batch``: tokens in one rank's batch, for tokens/s (0: not reported)."""
         import importlib
 
         from torch.distributed.device_mesh import init_device_mesh
 
+        layout = placements(strategy)  # an unknown strategy is refused before anything is built
         api = importlib.import_module(V2_API)
         self.env = env
         self.loss_fn = loss_fn
         self.strategy = strategy
+        self.observer = observer
         self._batch = batch_stream(batches)
+        self._model_name = type(module).__name__
+        self._tokens_per_batch = tokens_per_batch
         device = v2_device(env)
         module.to(device)
         mesh = init_device_mesh(device.type, (env.world_size,))
-        layout = placements(strategy)
         with api.fully_shard_context(device=device):
             for unit in units(module):
                 api.fully_shard(
@@ -112,24 +123,6 @@ class FullyShardV2Run(RunBase):
         self.optimizer = optimizer(module.parameters())
         api.fully_shard_optimizer(self.optimizer)
         self.iteration = 0
-
-    def train(self, iterations: int) -> TrainResult:
-        """``iterations`` optimizer steps, one batch each, from :attr:`iteration` on."""
-        if self.model is None or self.optimizer is None:
-            raise RuntimeError("FullyShardV2Run.train() after close()")
-        result = TrainResult(first_iteration=self.iteration + 1)
-        train_steps(
-            self.model,
-            self.optimizer,
-            self._batch,
-            self.loss_fn,
-            self.env,
-            self.iteration,
-            iterations,
-            result,
-        )
-        self.iteration += iterations
-        return result
 
     def save_checkpoint(self, checkpoint_dir: str | os.PathLike[str]) -> None:
         """V2's own ``save_checkpoint``: model and optimizer state through DCP (every rank calls it)."""

@@ -1,11 +1,12 @@
 """What every training run is, whichever API built it: the :class:`Run` protocol.
 
-Two kinds of run exist: :class:`~.training.TrainingRun` (megatron-core's GPT, wrapped as
-Megatron-Bridge wraps it) and :class:`~.fully_shard.FullyShardRun` (the standalone
-``megatron_fsdp.fully_shard`` on a model the test brings). The fixtures, the reports and the
-checkpoints work on either through this protocol alone: a run names the checkpoint layout its state
-goes in and out of (:class:`CheckpointLayout`), so checkpointing never asks what kind of run it was
-given. :class:`RunBase` holds what both share (releasing the run, telling the observer).
+Three kinds of run exist: :class:`~.training.TrainingRun` (megatron-core's GPT, wrapped as
+Megatron-Bridge wraps it), :class:`~.fully_shard.FullyShardRun` (the standalone
+``megatron_fsdp.fully_shard`` on a model the test brings) and :class:`~.fully_shard_v2.FullyShardV2Run`
+(V2's standalone API, likewise). The fixtures, the reports and the checkpoints work on any of them
+through this protocol alone: a run names the checkpoint layout its state goes in and out of
+(:class:`CheckpointLayout`), so checkpointing never asks what kind of run it was given.
+:class:`RunBase` holds what all share (releasing the run, telling the observer).
 
 Plain Python at import (no torch, no megatron, no pytest): the layouts and the reports type their
 arguments with these protocols without importing a run's module.

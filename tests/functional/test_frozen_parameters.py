@@ -142,28 +142,18 @@ def test_fully_shard_frozen_parameters_match_torch_ddp(fully_shard_run, dist_env
 
 
 @pytest.mark.distributed(world_size=2)
-def test_v2_fully_shard_frozen_parameters_match_torch_ddp(dist_env):
+def test_v2_fully_shard_frozen_parameters_match_torch_ddp(fully_shard_v2_run, dist_env):
     """V2's standalone fully_shard: the embedding a unit with only frozen parameters (its backward
     hooks must still pair up: Megatron-LM PR #5710), a frozen layer beside a trained one in a block."""
-    from pytest_megatron_fsdp.fsdp.fully_shard_v2 import FullyShardV2Run
-
-    if problem := versions.v2_fully_shard_problem():
-        pytest.skip(problem)
     expected = _ddp_losses(dist_env, _adamw)
-    run = FullyShardV2Run(
-        _net(),
-        _adamw,
-        _batches(dist_env.rank),
-        _loss,
-        dist_env,
-        units=lambda model: [model.embed, *model.blocks],
+    run = fully_shard_v2_run(
+        _net(), _adamw, _batches(dist_env.rank), _loss, units=lambda model: [model.embed, *model.blocks]
     )
     result = run.train(ITERS)
     assert_last_loss_finite(result)
     assert_loss_decreased(result)
     _assert_same(result.losses, expected, dist_env.platform, "V2 fully_shard, frozen parameters")
     _assert_frozen_kept(run.model)
-    run.close()
 
 
 # -- through megatron-core's wrapper, as Megatron-Bridge fine-tunes ----------------------------------

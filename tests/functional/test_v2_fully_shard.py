@@ -1,7 +1,8 @@
 """Megatron-FSDP V2's standalone API (``megatron_fsdp.experimental``): ``fully_shard`` per unit
 inside ``fully_shard_context``, ``fully_shard_optimizer`` and V2's own DCP ``save_checkpoint`` /
 ``load_checkpoint``, on a plain torch model, as a user of V2 without megatron-core's wrapper runs it
-(``fsdp.fully_shard_v2``).
+(the ``fully_shard_v2_run`` fixture); and the plugin's verified checkpoints of such a run, which hold
+V2's own format.
 
 Where megatron-core has no such API (0.16.1; 0.19.2's ``experimental`` predates it) every case skips
 in one line. Exactness: with 2 data-parallel ranks the averaged gradient is (a + b) / 2 under torch
@@ -18,18 +19,11 @@ import torch
 from small_models import CLASSES, WIDTH, Block, classification_loss, projection_batches
 
 from pytest_megatron_fsdp import assert_last_loss_finite, assert_loss_decreased
-from pytest_megatron_fsdp.fsdp import versions
 
 ITERS = 4
 GPU_RTOL = 1e-5
 #: the global grad norm: float64 sums of squares over shards vs whole tensors (a few ulps)
 GRAD_NORM_RTOL = 1e-6
-
-
-@pytest.fixture(autouse=True)
-def _needs_v2_fully_shard():
-    if problem := versions.v2_fully_shard_problem():
-        pytest.skip(problem)
 
 
 class Net(torch.nn.Module):
@@ -66,17 +60,9 @@ def _adamw(parameters) -> torch.optim.Optimizer:
     return torch.optim.AdamW(parameters, lr=3e-3, weight_decay=0.1)
 
 
-def _v2_run(dist_env, model, optimizer=_sgd, **kwargs):
-    from pytest_megatron_fsdp.fsdp.fully_shard_v2 import FullyShardV2Run
-
-    return FullyShardV2Run(
-        model,
-        optimizer,
-        projection_batches(dist_env.rank),
-        classification_loss,
-        dist_env,
-        units=_units,
-        **kwargs,
+def _v2_run(fully_shard_v2_run, dist_env, model, optimizer=_sgd, **kwargs):
+    return fully_shard_v2_run(
+        model, optimizer, projection_batches(dist_env.rank), classification_loss, units=_units, **kwargs
     )
 
 
@@ -103,7 +89,7 @@ def _assert_same(actual, expected, platform: str, what: str) -> None:
 
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
-def test_v2_fully_shard_matches_torch_ddp(dist_env, strategy):
+def test_v2_fully_shard_matches_torch_ddp(fully_shard_v2_run, dist_env, strategy):
     """Each sharding strategy as V2 placements (parameter, gradient, optimizer state: Replicate,
     Partial('avg') or Shard(0)), the root owning parameters besides its two sharded children: the
     losses are torch DDP's, the global grad norm too; the parameters rest as DTensors, and where the
@@ -111,7 +97,7 @@ def test_v2_fully_shard_matches_torch_ddp(dist_env, strategy):
     from torch.distributed.tensor import DTensor
 
     baseline = _ddp(dist_env)
-    run = _v2_run(dist_env, _net(), strategy=strategy)
+    run = _v2_run(fully_shard_v2_run, dist_env, _net(), strategy=strategy)
     result = run.train(ITERS)
     assert_last_loss_finite(result)
     assert_loss_decreased(result)
@@ -123,26 +109,30 @@ def test_v2_fully_shard_matches_torch_ddp(dist_env, strategy):
     if strategy != "no_shard":
         local = sum(p.to_local().numel() for p in params)
         assert local < sum(p.numel() for p in params)
-    run.close()
+
+
+#: who saves and who loads: V2's own save_checkpoint/load_checkpoint, or the plugin's (verified,
+#: atomic, holding V2's state dicts: a V2 user's load_checkpoint reads an iteration it saved)
+CHECKPOINT_PATHS = ["v2_saves_v2_loads", "plugin_saves_plugin_loads", "plugin_saves_v2_loads"]
 
 
 @pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("path", CHECKPOINT_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_v2_fully_shard_checkpoint_resumes_exactly(dist_env, checkpoint_dir, dtype):
-    """V2's own save_checkpoint/load_checkpoint (model and AdamW state through DCP): a fresh run
-    from another seed loads the checkpoint and trains on to exactly the losses the saved run went
-    on to. bf16: the model computes in bf16 while the optimizer steps fp32 main weights
-    (fully_shard_optimizer casts the bf16 gradients around each step), and the load must refresh
-    the bf16 compute weights from the loaded main weights."""
-    from pytest_megatron_fsdp.fsdp.fully_shard_v2 import FullyShardV2Run
+def test_v2_fully_shard_checkpoint_resumes_exactly(fully_shard_v2_run, dist_env, checkpoint_dir, dtype, path):
+    """Model and AdamW state through DCP: a fresh run from another seed loads the checkpoint and
+    trains on to exactly the losses the saved run went on to. bf16: the model computes in bf16
+    while the optimizer steps fp32 main weights (fully_shard_optimizer casts the bf16 gradients
+    around each step), and the load must refresh the bf16 compute weights from the loaded main
+    weights."""
+    from pytest_megatron_fsdp import load_checkpoint, save_checkpoint
 
-    def build(seed: int) -> FullyShardV2Run:
-        return FullyShardV2Run(
+    def build(seed: int):
+        return fully_shard_v2_run(
             _net(seed, dtype),
             _adamw,
             projection_batches(dist_env.rank, dtype),
             classification_loss,
-            dist_env,
             units=_units,
         )
 
@@ -150,15 +140,24 @@ def test_v2_fully_shard_checkpoint_resumes_exactly(dist_env, checkpoint_dir, dty
     run.train(3)
     stepped = {p.dtype for group in run.optimizer.param_groups for p in group["params"]}
     assert stepped == {torch.float32}, f"V2's optimizer steps {stepped} weights, expected float32"
-    run.save_checkpoint(checkpoint_dir)
+    if path == "v2_saves_v2_loads":
+        run.save_checkpoint(checkpoint_dir)
+        saved_iteration = checkpoint_dir
+    else:
+        saved = save_checkpoint(run, checkpoint_dir)
+        assert saved.iteration == 3
+        saved_iteration = saved.path
     expected = run.train(3).losses
     run.close()
     fresh = build(1)
     assert fresh.train(1).losses != expected[:1]  # another model: the comparison below means something
-    fresh.load_checkpoint(checkpoint_dir, iteration=3)
+    if path == "plugin_saves_plugin_loads":
+        load_checkpoint(fresh, checkpoint_dir)
+        assert fresh.iteration == 3
+    else:
+        fresh.load_checkpoint(saved_iteration, iteration=3)
     resumed = fresh.train(3).losses
     if dist_env.platform == "cpu":
         assert resumed == expected
     else:
         assert all(math.isclose(a, e, rel_tol=GPU_RTOL) for a, e in zip(resumed, expected, strict=True))
-    fresh.close()

@@ -1,4 +1,4 @@
-"""The ``Run`` protocol (``fsdp/run.py``): both kinds of run provide it, checkpointing uses nothing else.
+"""The ``Run`` protocol (``fsdp/run.py``): every kind of run provides it, checkpointing uses nothing else.
 
 In-process, no rank set: the run classes are read as source (importing them would import
 megatron-core), the layouts are imported (torch only), and :class:`RunBase` is exercised on a
@@ -21,7 +21,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "pytest_megatron_fsdp"
 #: the modules that save and load checkpoints: they must never ask what kind of run they got
 CHECKPOINTING = ("fsdp/checkpoint.py", "fsdp/checkpoint_v2.py", "checkpoint.py")
 #: module -> the run class it defines
-RUN_CLASSES = {"fsdp/training.py": "TrainingRun", "fsdp/fully_shard.py": "FullyShardRun"}
+RUN_CLASSES = {
+    "fsdp/training.py": "TrainingRun",
+    "fsdp/fully_shard.py": "FullyShardRun",
+    "fsdp/fully_shard_v2.py": "FullyShardV2Run",
+}
+#: the classes a run class may build on -> the module defining each
+RUN_BASES = {"RunBase": "fsdp/run.py", "StandaloneRun": "fsdp/fully_shard.py"}
 SNIFFERS = ("hasattr", "getattr", "isinstance")
 
 
@@ -107,23 +113,34 @@ def _class_provides(relative: str, class_name: str) -> set[str]:
     return names
 
 
+def _lineage(relative: str, class_name: str) -> list[tuple[str, str]]:
+    """The class and the package's classes it builds on, nearest first: (module, class) each.
+    Only :data:`RUN_BASES` may be built on, and every lineage ends at ``RunBase``."""
+    (cls,) = [n for n in _tree(relative).body if isinstance(n, ast.ClassDef) and n.name == class_name]
+    bases = [ast.unparse(b) for b in cls.bases]
+    if class_name == "RunBase":
+        assert bases == [], bases
+        return [(relative, class_name)]
+    (base,) = bases
+    assert base in RUN_BASES, f"{class_name} builds on {base}"
+    return [(relative, class_name), *_lineage(RUN_BASES[base], base)]
+
+
 @pytest.mark.parametrize("relative", sorted(RUN_CLASSES))
 def test_each_run_class_provides_the_run_protocol(relative):
     class_name = RUN_CLASSES[relative]
-    (cls,) = [n for n in _tree(relative).body if isinstance(n, ast.ClassDef) and n.name == class_name]
-    assert [ast.unparse(b) for b in cls.bases] == ["RunBase"]
-    provided = _class_provides(relative, class_name) | _class_provides("fsdp/run.py", "RunBase")
+    provided = set().union(*(_class_provides(m, n) for m, n in _lineage(relative, class_name)))
     missing = _protocol_members(run_protocol.Run) - provided
     assert not missing, f"{class_name} lacks {sorted(missing)}"
     assert "checkpoint_layout" in _class_provides(relative, class_name)
 
 
 def test_training_run_provides_what_megatron_layout_needs():
-    provided = _class_provides("fsdp/training.py", "TrainingRun") | _class_provides("fsdp/run.py", "RunBase")
+    provided = set().union(*(_class_provides(m, n) for m, n in _lineage("fsdp/training.py", "TrainingRun")))
     assert _protocol_members(run_protocol.MegatronCoreRun) - provided == set()
 
 
-@pytest.mark.parametrize("layout_name", ["megatron_layout", "fully_shard_layout"])
+@pytest.mark.parametrize("layout_name", ["megatron_layout", "fully_shard_layout", "fully_shard_v2_layout"])
 def test_each_layout_implements_the_checkpoint_layout_protocol(layout_name):
     import importlib
 
