@@ -599,7 +599,8 @@ SWIGLU_HANDLER_LOOKUP = KnownBug(
 #: The CPU emulation gives every gloo group one worker thread (harness/cuda_emulation.py).
 GLOO_CONCURRENT_COALESCED_ALL_GATHERS = KnownBug(
     "upstream bug (measured on torch 2.13.0 and 2.14.1): concurrent asynchronous coalesced "
-    "all-gathers on one gloo group corrupt the heap; no upstream report found; torch-only "
+    "all-gathers on one gloo group corrupt the heap (a rank dies) or stop the ranks for good (a "
+    "gloo worker thread spinning in a buffer's destructor); no upstream report found; torch-only "
     "reproduction: tests/reproductions/gloo_concurrent_all_gathers.py",
     fixed_in=None,
     package="torch",
