@@ -182,29 +182,14 @@ def fully_shard_run(
     """
     from .fsdp import versions
 
-    problem = versions.fully_shard_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    import torch
+    def make(*args: Any, **kwargs: Any) -> FullyShardRun:
+        from .fsdp.fully_shard import FullyShardRun
 
-    from .fsdp.fully_shard import FullyShardRun
+        return FullyShardRun(*args, **kwargs)
 
-    torch.manual_seed(RunConfig().train.seed)
-
-    def build(
-        observer: RunObserver,
-        /,
-        module: Any,
-        optimizer: Any,
-        batches: Any,
-        loss_fn: Any,
-        **fully_shard_kwargs: Any,
-    ) -> FullyShardRun:
-        return FullyShardRun(
-            module, optimizer, batches, loss_fn, dist_env, observer=observer, **fully_shard_kwargs
-        )
-
-    yield from _run_factory(request, dist_env, "fully_shard run", build)
+    yield from _standalone_run_factory(
+        request, dist_env, versions.fully_shard_problem(), "fully_shard run", make
+    )
 
 
 @pytest.fixture
@@ -224,27 +209,39 @@ def fully_shard_v2_run(
     """
     from .fsdp import versions
 
-    problem = versions.v2_fully_shard_problem()
+    def make(*args: Any, **kwargs: Any) -> FullyShardV2Run:
+        from .fsdp.fully_shard_v2 import FullyShardV2Run
+
+        return FullyShardV2Run(*args, **kwargs)
+
+    yield from _standalone_run_factory(
+        request, dist_env, versions.v2_fully_shard_problem(), "fully_shard V2 run", make
+    )
+
+
+def _standalone_run_factory(
+    request: pytest.FixtureRequest,
+    env: DistEnv,
+    problem: str | None,
+    label: str,
+    make: Callable[..., R],
+) -> Iterator[Callable[..., R]]:
+    """The run factory of a standalone API (V1's or V2's ``fully_shard``): skipped with ``problem``
+    where the API is missing; torch's RNG seeded identically on every rank, so the modules the test
+    builds agree across ranks; ``make(module, optimizer, batches, loss_fn, env, observer=...,
+    **kwargs)`` builds each run."""
     if problem is not None:
         pytest.skip(problem)
     import torch
 
-    from .fsdp.fully_shard_v2 import FullyShardV2Run
-
     torch.manual_seed(RunConfig().train.seed)
 
     def build(
-        observer: RunObserver,
-        /,
-        module: Any,
-        optimizer: Any,
-        batches: Any,
-        loss_fn: Any,
-        **kwargs: Any,
-    ) -> FullyShardV2Run:
-        return FullyShardV2Run(module, optimizer, batches, loss_fn, dist_env, observer=observer, **kwargs)
+        observer: RunObserver, /, module: Any, optimizer: Any, batches: Any, loss_fn: Any, **kwargs: Any
+    ) -> R:
+        return make(module, optimizer, batches, loss_fn, env, observer=observer, **kwargs)
 
-    yield from _run_factory(request, dist_env, "fully_shard V2 run", build)
+    yield from _run_factory(request, env, label, build)
 
 
 def _run_factory(
