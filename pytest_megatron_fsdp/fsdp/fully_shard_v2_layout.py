@@ -1,15 +1,16 @@
 """The checkpoint layout of a V2 ``fully_shard`` run (:class:`.fully_shard_v2.FullyShardV2Run`):
 the state dicts V2's own ``save_checkpoint`` writes, so an iteration directory this plugin saved
-(verified, published atomically) is a checkpoint V2's ``load_checkpoint`` reads, and back.
+(verified, published atomically) is a checkpoint V2's ``load_checkpoint`` reads. (Not the other
+way: a directory V2 wrote has no tracker or digests, which this plugin's load demands.)
 
 V2's parameters rest as DTensor views over the optimizer's main weights; torch's DCP state-dict
 helpers (``get_model_state_dict`` / ``get_optimizer_state_dict``) give them FQN-keyed, and V2's one
 addition is the uneven-shard metadata (``preprocess_state_dict_for_uneven_dtensor``: a parameter
-group's flat buffer does not tile like ``Shard(0)``). Loading is V2's order: the optimizer state
-allocated first (with V2's own helper, which gives each parameter a gradient of its ``grad_dtype``
-where torch's would not), DCP fills the dicts, ``set_*`` reinstalls them, and the compute weights
-are refreshed from the loaded main weights. Imports megatron when called (inside a rank only).
-"""
+group's flat buffer does not tile like ``Shard(0)``). Loading is V2's: DCP fills the dicts, ``set_*``
+reinstalls them, and the compute weights are refreshed from the loaded main weights; where the
+optimizer has not stepped yet, its state is allocated for the load without moving a weight and
+without changing the run before the load is accepted. Imports megatron when called (inside a rank
+only)."""
 
 from __future__ import annotations
 
@@ -60,17 +61,47 @@ def train_state(run: Run) -> dict[str, Any]:
 
 
 def load_state_dict(run: Run, metadata: Metadata) -> LoadState:
-    """What DCP loads into. Allocating the optimizer state steps the optimizer once on zero
-    gradients where it has none yet (V2's ``load_checkpoint`` does the same): the loaded state
-    replaces all of it, and a run that has stepped is left as it is. Collective."""
-    importlib.import_module(f"{V2_PACKAGE}.experimental.checkpoint")._init_optimizer_state(run.optimizer)
-    return LoadState(_state_dicts(run))
+    """What DCP loads into, built without changing the run (the checks before a load use it, and a
+    refused load must leave the run as it was). Collective.
+
+    An optimizer that has not stepped has no state to load into: it is allocated for the template
+    (:func:`_allocate_state`), the template keeps those tensors, and the optimizer is given back
+    with no state, as it was; :func:`apply_loaded` allocates it for real."""
+    if run.optimizer.state:
+        return LoadState(_state_dicts(run))
+    try:
+        _allocate_state(run.optimizer)
+        return LoadState(_state_dicts(run))
+    finally:
+        run.optimizer.state.clear()
+
+
+def _allocate_state(optimizer: Any) -> None:
+    """Optimizer state for a load to fill, where there is none: V2's own helper (zero gradients of
+    each parameter's ``grad_dtype``, where torch's would take the parameter's dtype, which V2
+    refuses under mixed precision; then one step), with every learning rate 0 for that step, as
+    torch's own helper does, so that no weight moves (weight decay included): the model's template
+    tensors are its parameters, which DCP has filled by the time :func:`apply_loaded` runs."""
+    if optimizer.state:
+        return
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0 * group["lr"]  # a tensor learning rate stays a tensor
+        importlib.import_module(f"{V2_PACKAGE}.experimental.checkpoint")._init_optimizer_state(optimizer)
+    finally:
+        for group, lr in zip(optimizer.param_groups, learning_rates, strict=True):
+            group["lr"] = lr
 
 
 def apply_loaded(run: Run, loaded: LoadState, metadata: Metadata, train_state: dict[str, Any]) -> None:
+    """V2's ``load_checkpoint`` after its ``dcp.load``: state allocated where there is none (its
+    values are overwritten below), the state dicts installed, the compute weights refreshed from the
+    loaded main weights."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     groups = importlib.import_module(f"{V2_PACKAGE}.experimental.parameter_group")
+    _allocate_state(run.optimizer)
     set_model_state_dict(run.model, loaded.state_dict["model"])
     set_optimizer_state_dict(run.model, run.optimizer, loaded.state_dict["optimizer"])
     groups.sync_model_weights_from_main_weights(run.model.parameters())

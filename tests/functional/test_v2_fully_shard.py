@@ -161,3 +161,67 @@ def test_v2_fully_shard_checkpoint_resumes_exactly(fully_shard_v2_run, dist_env,
         assert resumed == expected
     else:
         assert all(math.isclose(a, e, rel_tol=GPU_RTOL) for a, e in zip(resumed, expected, strict=True))
+
+
+def _flip_bytes(path) -> None:
+    """Invert 64 bytes in the middle of ``path``: the same size, other content."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.distributed(world_size=2)
+def test_v2_fully_shard_refused_load_changes_nothing(fully_shard_v2_run, dist_env, checkpoint_dir):
+    """A damaged checkpoint is refused on every rank, and the fresh run it was refused for is as it
+    was: the same weights, still no optimizer state (AdamW with weight decay: one step taken to
+    allocate the state it would load into would decay the weights), and it trains on as an
+    identical run that never tried to load."""
+    from pytest_megatron_fsdp import CheckpointError, load_checkpoint, save_checkpoint
+
+    batches = projection_batches(dist_env.rank)
+    saved = fully_shard_v2_run(_net(0), _adamw, batches, classification_loss, units=_units)
+    saved.train(2)
+    path = save_checkpoint(saved, checkpoint_dir).path
+    saved.close()
+    torch.distributed.barrier()
+    if dist_env.rank == 0:
+        _flip_bytes(path / "__1_0.distcp")
+    torch.distributed.barrier()
+
+    target = fully_shard_v2_run(_net(1), _adamw, batches, classification_loss, units=_units)
+    before = {name: p.to_local().clone() for name, p in target.model.named_parameters()}
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp does not match its sha256 digest"):
+        load_checkpoint(target, checkpoint_dir)
+    assert not target.optimizer.state, "the refused load left optimizer state behind"
+    after = {name: p.to_local() for name, p in target.model.named_parameters()}
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    assert not changed, f"the refused load changed {changed}"
+    untouched = fully_shard_v2_run(_net(1), _adamw, batches, classification_loss, units=_units)
+    assert target.train(3).losses == untouched.train(3).losses
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_v2_fully_shard_a_run_that_never_stepped_loads_exactly(
+    fully_shard_v2_run, dist_env, checkpoint_dir, dtype
+):
+    """The plugin's load into a run whose optimizer has no state yet (the template is built on
+    state allocated and given back, the load allocates it for real): it trains on exactly as the
+    saved run did."""
+    from pytest_megatron_fsdp import load_checkpoint, save_checkpoint
+
+    batches = projection_batches(dist_env.rank, dtype)
+    saved = fully_shard_v2_run(_net(0, dtype), _adamw, batches, classification_loss, units=_units)
+    saved.train(2)
+    save_checkpoint(saved, checkpoint_dir)
+    expected = saved.train(3).losses
+    saved.close()
+    fresh = fully_shard_v2_run(_net(1, dtype), _adamw, batches, classification_loss, units=_units)
+    assert not fresh.optimizer.state
+    load_checkpoint(fresh, checkpoint_dir)
+    resumed = fresh.train(3).losses
+    if dist_env.platform == "cpu":
+        assert resumed == expected
+    else:
+        assert all(math.isclose(a, e, rel_tol=GPU_RTOL) for a, e in zip(resumed, expected, strict=True))
