@@ -747,7 +747,7 @@ class RankRunner:
             # torchrun stops every rank as soon as one exits: rank 0 reports first
             rank_session.mark_closing()
             rank_session.wait_reported(expired_at + report_wait_s)
-        self._remove_temp_trees()
+        self._remove_temp_trees(rank_session)
         save_coverage()  # os._exit skips the atexit handler that would write it
         os._exit(TIMEOUT_EXIT_CODE)
 
@@ -764,9 +764,9 @@ class RankRunner:
         self.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)
         sys.stdout.flush()
 
-    def _remove_temp_trees(self) -> None:
-        """This process ends without teardown or unconfigure: its temp trees go now."""
-        rank_session = self.config.stash.get(RANK_SESSION, None)
+    def _remove_temp_trees(self, rank_session: RankSession | None) -> None:
+        """This process ends without teardown or unconfigure: its temp trees go now. ``rank_session``:
+        the session's, taken before a report from the watchdog dropped it from the stash."""
         if rank_session is not None and self.rank == 0:
             shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
         if self._private_temp is not None:
@@ -778,7 +778,7 @@ class RankRunner:
         # This process ends here, without teardown or unconfigure, and may be killed any time
         # once a peer has seen its marker below (torchrun stops the others as soon as one
         # rank exits): its temp trees go now, before it tells the peers it is done.
-        self._remove_temp_trees()
+        self._remove_temp_trees(self.config.stash.get(RANK_SESSION, None))
         banner = explain.timeout_banner(nodeid, timeout, self.rank, interrupts=False, verdict=verdict)
         for stream in (self.log, sys.stderr):
             try:

@@ -502,4 +502,6 @@ def test_after(dist_env):
         assert stuck in (failure.text or ""), out
     # the ranks' private temp trees and the session's shared dir are gone (torchrun's own
     # torchelastic_* dir stays: it never removes it)
-    assert [n for n in os.listdir(isolated_tmp) if not n.startswith("torchelastic_")] == [], out
+    left = [n for n in os.listdir(isolated_tmp) if not n.startswith("torchelastic_")]
+    inside = [str(p.relative_to(isolated_tmp)) for name in left for p in (isolated_tmp / name).rglob("*")]
+    assert left == [], f"left in $TMPDIR: {left}, holding {inside}\n{out}"
