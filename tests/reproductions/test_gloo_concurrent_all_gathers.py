@@ -57,6 +57,18 @@ def _signal_deaths(output: str) -> list[str]:
     return [name for name in found if name != "SIGTERM"]
 
 
+def _kill_rank(pid: int) -> None:
+    """SIGKILL to a rank of the reproduction that still runs, and to nothing else (a rank that ended
+    left its pid free for another process: its command line is checked first)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # it ended (or a system without /proc: this check is Linux's)
+        return
+    if REPRODUCTION.name.encode() in command:
+        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+            os.kill(pid, signal.SIGKILL)
+
+
 def _run_reproduction() -> tuple[int, str]:
     """One run under torchrun in a session of its own: (exit code, output). Raises
     :class:`RanksStopped` when the progress lines stop; the ranks (by the pids they print: torchrun
@@ -96,8 +108,7 @@ def _run_reproduction() -> tuple[int, str]:
     finally:
         # not anchored: the ranks share one pipe, and a line of one may land inside another's
         for pid in re.findall(r"pid rank \d+: (\d+)", "".join(lines)):
-            with contextlib.suppress(ProcessLookupError):  # it ended
-                os.kill(int(pid), signal.SIGKILL)
+            _kill_rank(int(pid))
         with contextlib.suppress(ProcessLookupError):  # the session's group is gone once all exited
             os.killpg(launched.pid, signal.SIGKILL)
         launched.wait()
