@@ -106,12 +106,11 @@ class ModelPreset:
         return -(-self.vocab_size // 128) * 128
 
 
-#: the tiny GPT as a HybridModel; the MoE preset below is it with one MLP layer made a MoE layer
-_TINY_HYBRID = ModelPreset(
-    name="tiny-hybrid",
-    description="the tiny GPT as a HybridModel: pattern *-*- (attention, MLP, attention, MLP)",
-    num_layers=4,
-    hybrid_layer_pattern="*-*-",
+#: the default on CPU ranks; the hybrid presets below are it as a HybridModel
+_TINY = ModelPreset(
+    name="tiny",
+    description="2 layers, hidden 64, 4 heads, vocab 128, seq 32, fp32: trains in about a second on CPU",
+    num_layers=2,
     hidden_size=64,
     ffn_hidden_size=256,
     num_attention_heads=4,
@@ -119,26 +118,24 @@ _TINY_HYBRID = ModelPreset(
     vocab_size=128,
     seq_length=32,
     micro_batch_size=2,
-    recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),  # as tiny's: exact parity with DDP
+    # Constant lr 1e-3 without clipping: the strategy-parity tests compare its fp32 losses with
+    # Megatron DDP's bit for bit, and a clip coefficient computed from a norm that the two
+    # wrappers sum in a different order differs in the last bits (set optimizer.clip_grad to clip).
+    recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),
+)
+
+#: the tiny GPT's sizes and recipe (exact parity with DDP) as a HybridModel; the MoE preset below is
+#: it with one MLP layer made a MoE layer
+_TINY_HYBRID = replace(
+    _TINY,
+    name="tiny-hybrid",
+    description="the tiny GPT as a HybridModel: pattern *-*- (attention, MLP, attention, MLP)",
+    num_layers=4,
+    hybrid_layer_pattern="*-*-",
 )
 
 PRESETS: dict[str, ModelPreset] = {
-    "tiny": ModelPreset(
-        name="tiny",
-        description="2 layers, hidden 64, 4 heads, vocab 128, seq 32, fp32: trains in about a second on CPU",
-        num_layers=2,
-        hidden_size=64,
-        ffn_hidden_size=256,
-        num_attention_heads=4,
-        num_query_groups=4,
-        vocab_size=128,
-        seq_length=32,
-        micro_batch_size=2,
-        # Constant lr 1e-3 without clipping: the strategy-parity tests compare its fp32 losses with
-        # Megatron DDP's bit for bit, and a clip coefficient computed from a norm that the two
-        # wrappers sum in a different order differs in the last bits (set optimizer.clip_grad to clip).
-        recipe=TrainingRecipe(lr=1e-3, clip_grad=0.0),
-    ),
+    "tiny": _TINY,
     "tiny-hybrid": _TINY_HYBRID,
     "tiny-hybrid-moe": replace(
         _TINY_HYBRID,

@@ -353,11 +353,7 @@ class RankRunner:
         item = self._running_item
         if item is None or self._interrupt_taken.wait(SIGNAL_GRACE_S):
             return
-        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
-        if rank_session is not None:
-            with contextlib.suppress(Exception):  # a group already gone: nothing to release
-                rank_session.release_peers()
-            self._released = True
+        self._release_peers()
         if self._interrupt_taken.wait(SIGNAL_GRACE_S):
             return
         self._end_stuck(
@@ -699,11 +695,7 @@ class RankRunner:
         # bring it back), or stuck for good, in which case peers waiting in a collective with it
         # are brought back by its release of the group here (gloo sees the connection close; a
         # group's abort or destroy does not end this rank's own wait in a collective).
-        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
-        if rank_session is not None:
-            with contextlib.suppress(Exception):  # a group already gone: nothing to release
-                rank_session.release_peers()
-            self._released = True
+        self._release_peers()
         if done.wait(max(expired_at + RECOVERY_GRACE_S - time.monotonic(), 0)):
             return
         self._end_stuck(
@@ -763,6 +755,15 @@ class RankRunner:
         self._report_not_run(item, not_run)
         self.config.hook.pytest_sessionfinish(session=session, exitstatus=pytest.ExitCode.TESTS_FAILED)
         sys.stdout.flush()
+
+    def _release_peers(self) -> None:
+        """From a watcher's thread, the main thread not back: release the process group, so that
+        peers waiting with this rank in a collective come back."""
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
+        if rank_session is not None:
+            with contextlib.suppress(Exception):  # a group already gone: nothing to release
+                rank_session.release_peers()
+            self._released = True
 
     def _remove_temp_trees(self, rank_session: RankSession | None) -> None:
         """This process ends without teardown or unconfigure: its temp trees go now. ``rank_session``:

@@ -351,7 +351,7 @@ import pytest
 
 @pytest.mark.distributed(world_size=2)
 def test_done(dist_env):
-    pass
+    pass  # finishes before the cancel: keeps its result
 
 @pytest.mark.distributed(world_size=2)
 def test_long(dist_env):
@@ -454,7 +454,7 @@ HELD = None
 
 @pytest.mark.distributed(world_size=2)
 def test_done(dist_env):
-    pass
+    pass  # finishes before the cancel: reported passed
 
 @pytest.mark.distributed(world_size=2)
 def test_long(dist_env):
@@ -462,7 +462,7 @@ def test_long(dist_env):
 
 @pytest.mark.distributed(world_size=2)
 def test_after(dist_env):
-    pass
+    pass  # never starts: reported "not run"
 """
     )
     logs = pytester.path / "logs"

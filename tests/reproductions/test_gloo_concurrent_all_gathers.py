@@ -69,13 +69,14 @@ def _kill_rank(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _run_reproduction() -> tuple[int, str]:
+def _run_reproduction(tmp_dir: Path) -> tuple[int, str]:
     """One run under torchrun in a session of its own: (exit code, output). Raises
     :class:`RanksStopped` when the progress lines stop; the ranks (by the pids they print: torchrun
     starts each in a session of its own) and torchrun are killed on the way out, however the run
-    ended."""
+    ended. ``tmp_dir``: the run's ``$TMPDIR`` (torchrun leaves a ``torchelastic_*`` directory there)."""
     launched = subprocess.Popen(
         torchrun_command(2, str(REPRODUCTION), str(ITERATIONS)),
+        env={**os.environ, "TMPDIR": str(tmp_dir)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -122,7 +123,7 @@ def _run_reproduction() -> tuple[int, str]:
     raises=BugShown,
     reason="upstream bug gloo_concurrent_coalesced_all_gathers (no fix released)",
 )
-def test_torch_gloo_survives_concurrent_coalesced_all_gathers():
+def test_torch_gloo_survives_concurrent_coalesced_all_gathers(tmp_path):
     """torch alone, its own gloo groups: the upstream bug. Where a torch release fixes it this
     passes, the strict xfail fails loudly, and the registry's ``fixed_in`` wants its version.
 
@@ -132,7 +133,7 @@ def test_torch_gloo_survives_concurrent_coalesced_all_gathers():
     killed by a signal and ranks that stopped making progress are both the bug; a Python error or a
     run too slow to judge is not."""
     for _ in range(RUNS):
-        returncode, output = _run_reproduction()
+        returncode, output = _run_reproduction(tmp_path)
         deaths = _signal_deaths(output)
         if deaths:
             raise RankCrashed(f"a rank died of {', '.join(deaths)}:\n{output[-3000:]}")
