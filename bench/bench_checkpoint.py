@@ -31,15 +31,16 @@ def main() -> None:
     parser.add_argument("--platform", default="auto", choices=("auto", "cpu", "cuda"))
     args = parser.parse_args()
 
-    from pytest_megatron_fsdp.harness.platform import select_platform
-    from pytest_megatron_fsdp.harness.session import RankSession, TorchrunEnv
+    from pytest_megatron_fsdp.rank.session import RankSession
+    from pytest_megatron_fsdp.wire.platform import select_platform
+    from pytest_megatron_fsdp.wire.torchrun_env import TorchrunEnv
 
     torchrun = TorchrunEnv.from_environ()
     if torchrun is None:
         raise SystemExit("run under python -m torch.distributed.run --nproc_per_node=2")
     choice = select_platform(args.platform, torchrun.local_world_size)
     if choice.platform == "cpu":
-        from pytest_megatron_fsdp.harness import cuda_emulation
+        from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
 
         cuda_emulation.enable()  # before anything imports megatron
     session = RankSession.start(torchrun, choice, pg_timeout_s=120)

@@ -47,7 +47,7 @@ def bare(platform: str, out: Path) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     if platform == "cpu":
-        from pytest_megatron_fsdp.harness import cuda_emulation
+        from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
 
         cuda_emulation.enable()  # before megatron is imported, as the plugin does
     import torch

@@ -251,7 +251,7 @@ class TestResult:
 
 def gpu_only_cause(reason: str | None) -> str | None:
     """The cause a skip reason names when it is a GPU-only skip (``GPU-only: <cause>``), else None."""
-    from pytest_megatron_fsdp.fsdp import gpu_only
+    from pytest_megatron_fsdp.foreign import gpu_only
 
     prefix = gpu_only.GpuOnlyCause("").reason()  # the one place the reason's form is stated
     if reason is None or not reason.startswith(prefix):
@@ -555,7 +555,7 @@ def stack(runs: Sequence[Run]) -> dict[str, Any]:
     """What ran: each checkout (its commit where git can tell), the installed versions (with their
     source where not an index release), the CPU."""
     from pytest_megatron_fsdp.fsdp.versions import package_source, package_version
-    from pytest_megatron_fsdp.harness.cpu_probe import read_cpu_facts
+    from pytest_megatron_fsdp.wire.cpu_probe import read_cpu_facts
 
     checkouts = {}
     for run in runs:

@@ -1,4 +1,4 @@
-"""Write docs/gpu-only-causes.md from the GPU-only causes (``CAUSES`` in fsdp/gpu_only.py) and the
+"""Write docs/gpu-only-causes.md from the GPU-only causes (``CAUSES`` in foreign/gpu_only.py) and the
 upstream tests each covered in a recorded ``make upstream`` run (docs/gpu-only-tests.json).
 
 ``make docs`` (or ``python docs/generate_gpu_only_causes.py``) regenerates the page after a change of
@@ -81,7 +81,7 @@ def render(root: Path = ROOT, data: dict[str, Any] | None = None) -> str:
     """The page's whole text, from ``CAUSES`` as imported from ``root`` and the data file (or ``data``)."""
     _root_on_path(root)
     from bench.upstream import describe_stack
-    from pytest_megatron_fsdp.fsdp import gpu_only
+    from pytest_megatron_fsdp.foreign import gpu_only
 
     if data is None:
         data = json.loads((root / "docs" / DATA.name).read_text(encoding="utf-8"))

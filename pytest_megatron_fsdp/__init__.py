@@ -4,7 +4,7 @@ The public API below is importable without torch or megatron; the assertion help
 training run load them on first use (inside a rank).
 
 PYTEST_DONT_REWRITE: a launched rank imports this package before its pytest starts (``python -m
-pytest_megatron_fsdp.harness.rank_entry``), too early for assertion rewriting; without this marker
+pytest_megatron_fsdp.rank.entry``), too early for assertion rewriting; without this marker
 pytest warns that it cannot rewrite it, which ``-W error`` turns into a failed start.
 """
 

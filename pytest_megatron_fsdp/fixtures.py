@@ -14,8 +14,8 @@ import pytest
 from . import options
 from .environment import DistEnv, DistributedSpec
 from .fsdp.config import RunConfig
-from .harness.protocol import spec_of
-from .harness.session import RANK_SESSION, RankSession
+from .rank.session import RANK_SESSION, RankSession
+from .wire.protocol import spec_of
 
 if TYPE_CHECKING:
     from .fsdp.fully_shard import FullyShardRun

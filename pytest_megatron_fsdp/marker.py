@@ -13,8 +13,8 @@ import pytest
 
 from . import options
 from .environment import DEFAULT_WORLD_SIZE, DistributedSpec
-from .harness import coexist
-from .harness.protocol import MARKER, SPEC
+from .wire import coexist
+from .wire.protocol import MARKER, SPEC
 
 MARKER_HELP = (
     f"{MARKER}(world_size={DEFAULT_WORLD_SIZE}, tp=1, pp=1, cp=1, timeout=None, reruns=None, "

@@ -8,7 +8,7 @@ returns the value with the label of the source it came from, as pytest-timeout l
 (``--mfsdp-timeout``, ``MFSDP_TIMEOUT``, ``ini mfsdp_timeout``, ``@pytest.mark.timeout``, ``default``).
 docs/options.md's precedence table states the chains in prose (tests/unit/test_docs.py holds it to
 this data). Values are checked at configure time, so a typo ends the session with one line before
-any rank starts. What is read of other plugins lives in ``harness.coexist``.
+any rank starts. What is read of other plugins lives in ``wire.coexist``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import pytest
 
 from .fsdp.config import ConfigError, RunConfig, parse_value, starting_config, validate
 from .fsdp.presets import PRESETS
-from .harness import coexist
-from .harness.cpu_probe import CPU_SPEEDS
-from .harness.protocol import MARKER, add_internal_options
+from .wire import coexist
+from .wire.cpu_probe import CPU_SPEEDS
+from .wire.protocol import MARKER, add_internal_options
 
 PREFIX = "mfsdp"
 PLATFORMS = ("auto", "cpu", "cuda")
-#: the kinds of failure --mfsdp-only-rerun chooses from (see harness.controller.failure_kind)
+#: the kinds of failure --mfsdp-only-rerun chooses from (see parent.controller.failure_kind)
 RERUN_KINDS = ("timeout", "rank-death", "failure")
 #: the per-test marker of run_config's choices (``@pytest.mark.mfsdp_config(set=..., ...)``)
 CONFIG_MARKER = "mfsdp_config"

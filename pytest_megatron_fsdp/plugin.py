@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from . import marker, options, roles
+from . import marker, options
 from .fixtures import (  # noqa: F401  (fixtures)
     checkpoint_dir,
     dist_env,
@@ -26,8 +26,12 @@ from .fixtures import (  # noqa: F401  (fixtures)
     megatron_parallel,
     run_config,
 )
-from .harness.session import RANK_SESSION
+from .parent import plugin as _parent_plugin  # noqa: F401  (registers the parent's plugin class)
+from .rank import launched as _launched_rank  # noqa: F401  (registers its rank kind)
+from .rank import torchrun as _torchrun_rank  # noqa: F401  (registers its rank kind)
+from .rank.session import RANK_SESSION
 from .reporting import metrics
+from .wire.role import Role, role_of
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -36,13 +40,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    role = roles.role_of(early_config)
+    role = role_of(early_config)
     role.plugin_class.prepare(early_config, role)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    role = roles.role_of(config)
+    role = role_of(config)
     role.plugin_class.before_configure(config, role)
 
 
@@ -57,7 +61,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     values = config.stash[options.SESSION_VALUES] = options.check_at_configure(config)
     config.stash[RANK_SESSION] = None
-    role = roles.role_of(config)
+    role = role_of(config)
     plugin = role.plugin_class.create(config, role, values)
     config.pluginmanager.register(plugin, plugin.NAME)
     plugin.registered()
@@ -67,7 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     values = options.session_values(config)
     # plain mode: a foreign suite's tests run in rank sets, as marked tests do (under torchrun they
     # run on the session's own ranks, and a launched rank runs its parent's batch)
-    foreign = values.foreign_suite and roles.role_of(config).role is roles.Role.PARENT
+    foreign = values.foreign_suite and role_of(config).role is Role.PARENT
     # a bad marker is a usage error, before any rank work
     marker.stash_specs(items, values.foreign_world_size if foreign else None)
 
@@ -93,7 +97,7 @@ def _golden_values(item: pytest.Item, report: pytest.TestReport) -> None:
     from .fsdp import versions
     from .reporting import golden  # numpy: only where golden values are asked for
 
-    torchrun = roles.role_of(item.config).torchrun
+    torchrun = role_of(item.config).torchrun
     failures = golden.record_or_compare(
         Path(values.golden),
         versions.golden_stack(),

@@ -33,26 +33,21 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TextIO
 
-from .harness import flight_recorder
 from .reporting import report as report_module
 from .reporting.record import RunRecord
+from .wire import flight_recorder, rank_dir
+from .wire.rank_dir import TIMEOUT_BANNER, rank_logs
 
-#: the line a rank's watchdog writes before its stacks (``harness.protocol.TIMEOUT_BANNER``, which
-#: is not imported here: ``protocol`` imports pytest)
-TIMEOUT_BANNER = "MFSDP-TIMEOUT"
-#: the default log root below pytest's cache dir (``harness.protocol.log_dir``)
+#: the default log root below pytest's cache dir (``wire.protocol.log_dir``)
 CACHE_LOG_DIR = Path(".pytest_cache") / "d" / "mfsdp-logs"
 #: how many of each rank's last collectives ``collectives`` lists (``--last``)
 DEFAULT_LAST = 5
 #: the text plot's size in characters (the plot area, without the axis labels)
 PLOT_WIDTH, PLOT_HEIGHT = 60, 12
 
-_RANK_LOG = re.compile(r"rank(\d+)\.log")
 #: faulthandler's first line for a fatal signal and for its C watchdog (``dump_traceback_later``)
 _WHY = ("Fatal Python error", "Timeout (")
 _THREAD_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
-_START = re.compile(r"\] START (\S+) \(timeout ")
-_FAILED = re.compile(r"^FAILED (\S+) \((setup|call|teardown)\) on rank (\d+):$")
 
 
 class PostMortemError(Exception):
@@ -74,22 +69,8 @@ def default_log_root(cwd: Path | None = None) -> Path:
     return Path(tempfile.gettempdir()) / "mfsdp-logs"
 
 
-def rank_logs(run_dir: Path) -> dict[int, Path]:
-    """rank -> its log in one rank set's log directory."""
-    found = {}
-    try:
-        entries = list(run_dir.iterdir())
-    except OSError:
-        return {}
-    for path in entries:
-        match = _RANK_LOG.fullmatch(path.name)
-        if match:
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
-
-
 def _is_run_dir(path: Path) -> bool:
-    return bool(rank_logs(path) or flight_recorder.dump_paths(path))
+    return bool(rank_logs(path) or rank_dir.dump_paths(path))
 
 
 def _newest_file_time(path: Path) -> float:
@@ -144,7 +125,7 @@ def _describe_entry(c: flight_recorder.Collective, dumped_ns: int) -> str:
 
 def collectives_lines(run_dir: Path, last: int = DEFAULT_LAST) -> list[str]:
     """The flight-recorder dumps in ``run_dir``, per rank and aligned across ranks."""
-    paths = flight_recorder.dump_paths(run_dir)
+    paths = rank_dir.dump_paths(run_dir)
     traces = {}
     for rank, path in paths.items():
         trace = flight_recorder.load(path)
@@ -185,7 +166,7 @@ def collectives_lines(run_dir: Path, last: int = DEFAULT_LAST) -> list[str]:
 def _timed_out_tests(run_dir: Path) -> list[str]:
     """The test(s) the ranks' watchdogs ended, from their ``rank<R>.expired`` markers."""
     names = []
-    for marker in sorted(run_dir.glob("rank*.expired")):
+    for marker in rank_dir.markers(run_dir, rank_dir.EXPIRED):
         try:
             names.append(marker.read_text().strip())
         except OSError:
@@ -228,7 +209,8 @@ def stacks_lines(run_dir: Path, rank: int | None = None) -> list[str]:
     logs = rank_logs(run_dir)
     if rank is not None:
         if rank not in logs:
-            raise PostMortemError(f"--rank {rank}: no rank{rank}.log in {run_dir} (ranks: {sorted(logs)})")
+            missing = rank_dir.log_path(run_dir, rank).name
+            raise PostMortemError(f"--rank {rank}: no {missing} in {run_dir} (ranks: {sorted(logs)})")
         logs = {rank: logs[rank]}
     lines = [f"stacks in {run_dir}"]
     for r, path in logs.items():
@@ -348,7 +330,7 @@ def _report_path(given: str | None) -> Path:
 
 def parts_by_test(log: str) -> dict[str, str]:
     """nodeid -> its part of a rank's log (from its START line to the next test's)."""
-    starts = [(m.start(), m.group(1)) for m in _START.finditer(log)]
+    starts = rank_dir.test_starts(log)
     parts: dict[str, str] = {}
     for i, (offset, nodeid) in enumerate(starts):
         line_start = log.rfind("\n", 0, offset) + 1
@@ -363,7 +345,7 @@ def failed_tests(run_dir: Path) -> list[str]:
     failed: dict[str, None] = {}
     for path in rank_logs(run_dir).values():
         for nodeid, part in parts_by_test(path.read_text(errors="replace")).items():
-            failing = any(_FAILED.match(line) for line in part.splitlines())
+            failing = any(rank_dir.failed_test(line) for line in part.splitlines())
             if failing or f"{TIMEOUT_BANNER}: {nodeid} " in part or "Fatal Python error" in part:
                 failed[nodeid] = None
     for nodeid in _timed_out_tests(run_dir):
@@ -402,10 +384,10 @@ def show_lines(run_dir: Path, test: str | None) -> list[str]:
         part = parts_by_test(path.read_text(errors="replace")).get(nodeid)
         lines.append(f"---------- rank {rank} ({path})")
         lines += part.rstrip("\n").splitlines() if part else ["(this rank's log has no part for this test)"]
-    if nodeid in _timed_out_tests(run_dir) and flight_recorder.dump_paths(run_dir):
+    if nodeid in _timed_out_tests(run_dir) and rank_dir.dump_paths(run_dir):
         lines.append("---------- collectives")
         lines += collectives_lines(run_dir)
-    torchrun_log = run_dir / "torchrun.log"
+    torchrun_log = run_dir / rank_dir.TORCHRUN_LOG
     if torchrun_log.is_file():
         lines.append(f"torchrun's output: {torchrun_log}")
     return lines
@@ -445,9 +427,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> list[str]:
     if args.command == "collectives":
-        run_dir = pick_run_dir(
-            args.dir, lambda d: bool(flight_recorder.dump_paths(d)), "flight-recorder dumps"
-        )
+        run_dir = pick_run_dir(args.dir, lambda d: bool(rank_dir.dump_paths(d)), "flight-recorder dumps")
         return collectives_lines(run_dir, args.last)
     if args.command == "stacks":
         run_dir = pick_run_dir(args.dir, _has_stacks, "stack dump in a rank log")

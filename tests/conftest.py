@@ -120,7 +120,7 @@ def leftover_processes() -> Callable[[Path], list[str]]:
 def torchrun_pytest_command(*pytest_args: str, nproc: int = 2) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc_per_node=N -m pytest <args>``: a
     torchrun-mode session on one node, with this interpreter (the harness's own command builder)."""
-    from pytest_megatron_fsdp.harness.launcher import torchrun_command
+    from pytest_megatron_fsdp.parent.launcher import torchrun_command
 
     return torchrun_command(nproc, "-m", "pytest", *pytest_args)
 

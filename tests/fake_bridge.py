@@ -1,5 +1,5 @@
 """Megatron-Bridge's modules as the plugin's Bridge switches meet them (megatron.bridge at 067f987df0;
-pytest_megatron_fsdp/fsdp/foreign_bridge.py): the statements that matter, at the same module names,
+pytest_megatron_fsdp/foreign/bridge.py): the statements that matter, at the same module names,
 and a module of another suite. For the unit tests of the switches and the foreign-suite session that
 prints them."""
 

@@ -113,7 +113,7 @@ def optimizer_config(cfg: RunConfig, preset: ModelPreset, env: DistEnv) -> Optim
     """Megatron's ``OptimizerConfig`` from the preset's recipe and the config's ``optimizer.*``.
 
     Clipping (``clip_grad``) applies on every platform: on CPU ranks the CUDA-on-CPU emulation
-    answers the one CUDA type check Megatron's clip makes (see ``harness/cuda_emulation.py``).
+    answers the one CUDA type check Megatron's clip makes (see ``emulation/cuda.py``).
     """
     r = preset.recipe
     return OptimizerConfig(

@@ -596,7 +596,7 @@ SWIGLU_HANDLER_LOOKUP = KnownBug(
 #: ``_coalescing_manager(async_ops=True)`` blocks Megatron-FSDP's parameter prefetch issues), the
 #: group's two worker threads corrupt the process heap (``malloc(): unaligned tcache chunk detected``,
 #: SIGSEGV, SIGABRT). One at a time, plain async all-gathers, or one worker thread per group: clean.
-#: The CPU emulation gives every gloo group one worker thread (harness/cuda_emulation.py).
+#: The CPU emulation gives every gloo group one worker thread (emulation/cuda.py).
 GLOO_CONCURRENT_COALESCED_ALL_GATHERS = KnownBug(
     "upstream bug (measured on torch 2.13.0 and 2.14.1): concurrent asynchronous coalesced "
     "all-gathers on one gloo group corrupt the heap (a rank dies) or stop the ranks for good (a "

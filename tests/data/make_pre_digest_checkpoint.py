@@ -31,9 +31,10 @@ ITERATIONS = 3
 
 
 def main() -> None:
-    from pytest_megatron_fsdp.harness import cuda_emulation
-    from pytest_megatron_fsdp.harness.platform import select_platform
-    from pytest_megatron_fsdp.harness.session import RankSession, TorchrunEnv
+    from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
+    from pytest_megatron_fsdp.rank.session import RankSession
+    from pytest_megatron_fsdp.wire.platform import select_platform
+    from pytest_megatron_fsdp.wire.torchrun_env import TorchrunEnv
 
     target = Path(sys.argv[1])
     torchrun = TorchrunEnv.from_environ()

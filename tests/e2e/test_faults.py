@@ -113,7 +113,7 @@ CONFTEST = """
 import json, os, time
 
 if "RANK" in os.environ:
-    from pytest_megatron_fsdp.harness import session
+    from pytest_megatron_fsdp.rank import session
 
     _init_process_group = session.RankSession._init_process_group
 

@@ -9,7 +9,7 @@ import os
 import pytest
 from fake_bridge import write_fake_bridge
 
-from pytest_megatron_fsdp.fsdp import foreign_bridge
+from pytest_megatron_fsdp.foreign import bridge as foreign_bridge
 
 # A suite as Megatron-LM's unit tests are written: its own process group, NCCL, set_device by
 # local rank, barriers with device ids; no marker, no fixture of the plugin.

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from pytest_megatron_fsdp.harness.launcher import Rendezvous, torchrun_command
+from pytest_megatron_fsdp.parent.launcher import Rendezvous, torchrun_command
 
 
 def test_under_xdist_each_worker_launches_its_own_rank_sets(pytester):

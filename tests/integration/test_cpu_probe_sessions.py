@@ -12,7 +12,7 @@ import re
 RANK_SIDE = """
 import pytest
 import torch.distributed as dist
-from pytest_megatron_fsdp.harness.session import RANK_SESSION
+from pytest_megatron_fsdp.rank.session import RANK_SESSION
 
 @pytest.mark.distributed(world_size=2)
 def test_every_rank_holds_rank_0s_report(request, dist_env):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_megatron_fsdp.harness import cuda_emulation
+from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
 
 #: the torch-only reproduction of the gloo crash (its own tier); its all-gather loop runs here in CPU ranks
 REPRODUCTION = Path(__file__).parents[1] / "reproductions" / "gloo_concurrent_all_gathers.py"

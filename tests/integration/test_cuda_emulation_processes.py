@@ -12,7 +12,7 @@ def test_nothing_is_patched_in_a_process_that_did_not_ask(tmp_path):
         "import torch, pytest, sys\n"
         "orig = torch.cuda.current_device, torch.cuda._lazy_call, torch.cuda.Stream\n"
         "rc = pytest.main(['-q', '-p', 'no:cacheprovider', sys.argv[1]])\n"
-        "from pytest_megatron_fsdp.harness import cuda_emulation\n"
+        "from pytest_megatron_fsdp.emulation import cuda as cuda_emulation\n"
         "assert not cuda_emulation.is_enabled()\n"
         "assert (torch.cuda.current_device, torch.cuda._lazy_call, torch.cuda.Stream) == orig\n"
         "from torch.overrides import _get_current_function_mode_stack\n"

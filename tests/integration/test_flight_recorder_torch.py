@@ -8,7 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-from pytest_megatron_fsdp.harness import flight_recorder
+from pytest_megatron_fsdp.wire import flight_recorder, rank_dir
 
 SECOND = 1_000_000_000
 
@@ -23,14 +23,14 @@ def test_torch_records_are_aligned(tmp_path):
         f"""
         import os, sys, time, torch, torch.distributed as dist
         from pathlib import Path
-        from pytest_megatron_fsdp.harness import flight_recorder
+        from pytest_megatron_fsdp.wire import flight_recorder, rank_dir
         rank = int(sys.argv[1])
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         dist.all_reduce(torch.ones(4))
         if rank == 0:
             work = dist.broadcast(torch.ones(3), src=0, async_op=True)
         time.sleep(0.5)  # rank 1 never joins the broadcast
-        assert flight_recorder.dump(flight_recorder.dump_path(Path(sys.argv[2]), rank))
+        assert flight_recorder.dump(rank_dir.dump_path(Path(sys.argv[2]), rank))
         time.sleep(0.5)
         os._exit(0)
         """
@@ -40,8 +40,8 @@ def test_torch_records_are_aligned(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(tmp_path)], env=env) for r in range(2)]
     for p in procs:
         assert p.wait(timeout=60) == 0
-    assert sorted(flight_recorder.dump_paths(tmp_path)) == [0, 1]
-    traces = {r: flight_recorder.load(flight_recorder.dump_path(tmp_path, r)) for r in range(2)}
+    assert sorted(rank_dir.dump_paths(tmp_path)) == [0, 1]
+    traces = {r: flight_recorder.load(rank_dir.dump_path(tmp_path, r)) for r in range(2)}
     lines = flight_recorder.align(
         traces, now_ns=max(e["time_created_ns"] for e in traces[0]["entries"]) + 3 * SECOND
     )

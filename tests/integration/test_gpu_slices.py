@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_megatron_fsdp.harness.launcher import RankSet
+from pytest_megatron_fsdp.parent.launcher import RankSet
 
 # An 8-GPU node, faked: every worker's pytest sees 8 devices; instead of launching rank sets (there
 # are no GPUs to run them), each worker writes down the slice its rank sets would get, and its tests
@@ -14,8 +14,9 @@ FAKE_GPU_NODE = """
 import os
 from pathlib import Path
 import pytest
-from pytest_megatron_fsdp.harness import controller as controller_module, platform
-from pytest_megatron_fsdp.harness.controller import UNHOSTABLE
+from pytest_megatron_fsdp.parent import controller as controller_module
+from pytest_megatron_fsdp.wire import platform
+from pytest_megatron_fsdp.parent.controller import UNHOSTABLE
 
 platform.visible_gpu_count = lambda fast=False: 8
 

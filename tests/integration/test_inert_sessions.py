@@ -29,7 +29,7 @@ def assert_untouched():
     sigint = signal.SIG_IGN if "SIGINT" in IGNORED else signal.default_int_handler
     assert signal.getsignal(signal.SIGTERM) == sigterm, signal.getsignal(signal.SIGTERM)
     assert signal.getsignal(signal.SIGINT) == sigint, signal.getsignal(signal.SIGINT)
-    assert "pytest_megatron_fsdp.harness.cuda_emulation" not in sys.modules
+    assert "pytest_megatron_fsdp.emulation.cuda" not in sys.modules
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ
     leftovers = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("mfsdp-")]
@@ -87,8 +87,8 @@ def test_fails():
 def test_a_plain_session_installs_its_signal_handlers_with_its_first_rank_set(pytester, monkeypatch):
     """The deferral moves the handlers, it does not drop them: they come with the first rank set the
     controller launches, and go at unconfigure. In process, the launch itself faked (no ranks)."""
-    from pytest_megatron_fsdp import roles
-    from pytest_megatron_fsdp.harness.controller import Controller
+    from pytest_megatron_fsdp.parent.controller import Controller
+    from pytest_megatron_fsdp.parent.plugin import ParentPlugin
 
     launched = []
     monkeypatch.setattr(Controller, "_launch", lambda self, world_size: launched.append(world_size))
@@ -106,7 +106,7 @@ def test_plain():
 """
     )
     config = pytester.parseconfigure("-p", "no:cacheprovider")
-    plugin = config.pluginmanager.get_plugin(roles.ParentPlugin.NAME)
+    plugin = config.pluginmanager.get_plugin(ParentPlugin.NAME)
     import signal
 
     before = signal.getsignal(signal.SIGTERM)
@@ -192,7 +192,7 @@ def test_plain_first():
 @pytest.mark.distributed(world_size=2)
 def test_all_reduce(dist_env):
     import sys
-    assert "pytest_megatron_fsdp.harness.cuda_emulation" in sys.modules  # CPU ranks: emulated
+    assert "pytest_megatron_fsdp.emulation.cuda" in sys.modules  # CPU ranks: emulated
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == 2

@@ -70,7 +70,7 @@ def test_the_rank_set_is_launched_while_the_parent_still_collects(pytester, isol
     launched = [c for c in parent["children"] if "torch.distributed.run" in c]
     assert len(launched) == 1, parent["children"]
     assert "--nproc_per_node=2" in launched[0]
-    assert "pytest_megatron_fsdp.harness.rank_entry" in launched[0]
+    assert "pytest_megatron_fsdp.rank.entry" in launched[0]
     assert leftover_processes(pytester.path) == []
     assert list(isolated_tmp.iterdir()) == []
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from pytest_megatron_fsdp.fsdp.versions import GLOO_CONCURRENT_COALESCED_ALL_GATHERS
-from pytest_megatron_fsdp.harness.launcher import torchrun_command
+from pytest_megatron_fsdp.parent.launcher import torchrun_command
 
 REPRODUCTION = Path(__file__).with_name("gloo_concurrent_all_gathers.py")
 #: iterations per run: about a minute on an idle 2-core machine when nothing goes wrong

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from pytest_megatron_fsdp.harness.controller import Controller
+from pytest_megatron_fsdp.parent.controller import Controller
 
 #: the unit test files that may start ``make``, only as ``make -n`` (prints the recipes, runs none),
 #: and why each needs it

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pytest_megatron_fsdp.harness import cuda_emulation, foreign_emulation
+from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
+from pytest_megatron_fsdp.emulation import foreign as foreign_emulation
 
 
 def forget_megatron_rng(monkeypatch: pytest.MonkeyPatch) -> None:

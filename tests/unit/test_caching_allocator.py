@@ -8,7 +8,9 @@ import pytest
 import torch
 from emulation_layers import foreign_layer, forget_megatron_rng
 
-from pytest_megatron_fsdp.harness import caching_allocator, cuda_emulation, foreign_emulation
+from pytest_megatron_fsdp.emulation import caching_allocator
+from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
+from pytest_megatron_fsdp.emulation import foreign as foreign_emulation
 
 DBUFFER = "megatron.core.distributed.fsdp.src.megatron_fsdp.experimental.dbuffer"
 

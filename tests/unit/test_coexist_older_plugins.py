@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_megatron_fsdp.harness import coexist
+from pytest_megatron_fsdp.wire import coexist
 
 
 def test_a_pytest_rerunfailures_without_the_filters_ini_keys_filters_nothing(pytester):

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from pytest_megatron_fsdp.environment import DistributedSpec
-from pytest_megatron_fsdp.harness import coexist
-from pytest_megatron_fsdp.harness import controller as ctl
-from pytest_megatron_fsdp.harness.protocol import SPEC
-from pytest_megatron_fsdp.harness.session import TorchrunEnv
+from pytest_megatron_fsdp.parent import controller as ctl
+from pytest_megatron_fsdp.wire import coexist
+from pytest_megatron_fsdp.wire.protocol import SPEC
+from pytest_megatron_fsdp.wire.torchrun_env import TorchrunEnv
 
 pytest.importorskip("pytest_timeout", reason="the dev extra's pytest-timeout")
 pytest.importorskip("pytest_rerunfailures", reason="the dev extra's pytest-rerunfailures")

@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 
 from pytest_megatron_fsdp.environment import DistributedSpec
-from pytest_megatron_fsdp.harness import controller as ctl
-from pytest_megatron_fsdp.harness import explain, protocol
-from pytest_megatron_fsdp.harness.explain import PostMortem, internal_error, log_excerpt
-from pytest_megatron_fsdp.harness.protocol import Collected, Finished, Report, Started, Warnings
+from pytest_megatron_fsdp.parent import controller as ctl
+from pytest_megatron_fsdp.wire import explain, protocol
+from pytest_megatron_fsdp.wire.explain import PostMortem, internal_error, log_excerpt
+from pytest_megatron_fsdp.wire.protocol import Collected, Finished, Report, Started, Warnings
 
 NODEID = "test_x.py::test_x"
 
@@ -446,7 +446,7 @@ def test_cpu_world_sizes_past_the_hosts_limit_are_a_usage_error(monkeypatch):
 
 
 def test_tests_needing_more_gpus_than_visible_are_skipped_with_the_reason(monkeypatch):
-    from pytest_megatron_fsdp.harness import platform
+    from pytest_megatron_fsdp.wire import platform
 
     monkeypatch.setattr(platform, "visible_gpu_count", lambda fast=False: 2)
     controller = ctl.Controller(FakeConfig(), [], None)
@@ -463,7 +463,7 @@ def test_tests_needing_more_gpus_than_visible_are_skipped_with_the_reason(monkey
 
 
 def test_asking_for_cuda_with_no_gpu_at_all_is_a_usage_error(monkeypatch):
-    from pytest_megatron_fsdp.harness import platform
+    from pytest_megatron_fsdp.wire import platform
 
     monkeypatch.setattr(platform, "visible_gpu_count", lambda fast=False: 0)
     with pytest.raises(platform.PlatformError, match="--mfsdp-platform=cuda needs one GPU per local rank"):
@@ -515,7 +515,7 @@ def _phases(**outcomes: str) -> dict:
 
 
 def _merge(per_rank: dict) -> list[pytest.TestReport]:
-    from pytest_megatron_fsdp.harness.agreement import merge_reports
+    from pytest_megatron_fsdp.rank.agreement import merge_reports
 
     return merge_reports(FakeItem(), [], per_rank, 0, Path("/logs"))
 

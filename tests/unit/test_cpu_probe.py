@@ -1,4 +1,4 @@
-"""The CPU probe (``harness.cpu_probe``) and the bf16 sizing it decides: flags read from
+"""The CPU probe (``wire.cpu_probe``) and the bf16 sizing it decides: flags read from
 ``/proc/cpuinfo`` text, flags and ``--mfsdp-cpu-speed`` to a verdict, rank 0's report handed to the
 other ranks through the store (measured once), the header's line, and the verdict to a preset's
 step (``train.slow_bf16_step``). In process: sample cpuinfo texts, a dict for the store, no rank.
@@ -11,8 +11,8 @@ import pytest
 from pytest_megatron_fsdp import options
 from pytest_megatron_fsdp.fsdp.config import starting_config
 from pytest_megatron_fsdp.fsdp.presets import PRESETS
-from pytest_megatron_fsdp.harness import cpu_probe
-from pytest_megatron_fsdp.harness.cpu_probe import (
+from pytest_megatron_fsdp.wire import cpu_probe
+from pytest_megatron_fsdp.wire.cpu_probe import (
     Bf16Verdict,
     CpuFacts,
     CpuReport,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from emulation_layers import forget_megatron_rng
 
-from pytest_megatron_fsdp.harness import cuda_emulation
+from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,11 @@ import torch.distributed._symmetric_memory as symm_mem
 from emulation_layers import foreign_layer, forget_megatron_rng
 from torch.profiler import ProfilerActivity
 
-from pytest_megatron_fsdp.fsdp import gpu_only
-from pytest_megatron_fsdp.harness import cuda_emulation, device_limits, foreign_emulation
-from pytest_megatron_fsdp.harness.device_limits import EmulatedDeviceLacks
+from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
+from pytest_megatron_fsdp.emulation import device_limits
+from pytest_megatron_fsdp.emulation import foreign as foreign_emulation
+from pytest_megatron_fsdp.emulation.device_limits import EmulatedDeviceLacks
+from pytest_megatron_fsdp.foreign import gpu_only
 
 
 @pytest.fixture(autouse=True)

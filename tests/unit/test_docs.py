@@ -262,7 +262,7 @@ def test_gpu_only_causes_page_is_generated_from_the_causes_and_the_recorded_run(
     expected = _causes_generator().render(ROOT)
     actual = (DOCS / "gpu-only-causes.md").read_text(encoding="utf-8")
     assert actual == expected, (
-        "docs/gpu-only-causes.md disagrees with CAUSES in fsdp/gpu_only.py or docs/gpu-only-tests.json: "
+        "docs/gpu-only-causes.md disagrees with CAUSES in foreign/gpu_only.py or docs/gpu-only-tests.json: "
         "run `make docs`"
     )
 
@@ -270,7 +270,7 @@ def test_gpu_only_causes_page_is_generated_from_the_causes_and_the_recorded_run(
 def test_the_recorded_run_names_only_maintained_causes() -> None:
     """A cause renamed or dropped in CAUSES leaves its recorded tests under no section of the page:
     record a run again (`make upstream`, `make upstream-record`) or rename the key in the data file."""
-    from pytest_megatron_fsdp.fsdp.gpu_only import CAUSES
+    from pytest_megatron_fsdp.foreign.gpu_only import CAUSES
 
     data = json.loads((DOCS / "gpu-only-tests.json").read_text(encoding="utf-8"))
     assert data["recorded"][:4].isdigit()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_megatron_fsdp.harness import flight_recorder
+from pytest_megatron_fsdp.wire import flight_recorder
 
 SECOND = 1_000_000_000
 

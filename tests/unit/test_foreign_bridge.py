@@ -1,4 +1,4 @@
-"""Megatron-Bridge's switches on CPU ranks (pytest_megatron_fsdp/fsdp/foreign_bridge.py), against
+"""Megatron-Bridge's switches on CPU ranks (pytest_megatron_fsdp/foreign/bridge.py), against
 stand-ins of the Bridge modules they act on (tests/fake_bridge.py): each switch, its scope (Bridge's
 modules only), and everything undone."""
 
@@ -13,8 +13,9 @@ import pytest
 import torch._dynamo
 from fake_bridge import write_fake_bridge
 
-from pytest_megatron_fsdp.fsdp import foreign_bridge, gpu_only
-from pytest_megatron_fsdp.roles import foreign_bridge as role_foreign_bridge
+from pytest_megatron_fsdp.foreign import bridge as foreign_bridge
+from pytest_megatron_fsdp.foreign import bridge_plugin as role_foreign_bridge
+from pytest_megatron_fsdp.foreign import gpu_only
 
 
 def _forget_fakes() -> None:

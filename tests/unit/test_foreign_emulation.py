@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 from emulation_layers import foreign_layer, forget_megatron_rng
 
-from pytest_megatron_fsdp.harness import cuda_emulation, foreign_emulation
-from pytest_megatron_fsdp.harness.made_groups import MadeGroups
+from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
+from pytest_megatron_fsdp.emulation import foreign as foreign_emulation
+from pytest_megatron_fsdp.emulation.made_groups import MadeGroups
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@ collection error's text; anything else is a real failure."""
 
 import pytest
 
-from pytest_megatron_fsdp.fsdp import gpu_only
+from pytest_megatron_fsdp.foreign import gpu_only
 
 
 def _raised(make):
@@ -127,7 +127,7 @@ def test_a_collection_errors_text_names_its_cause():
     ],
 )
 def test_what_the_emulated_device_lacks_by_the_errors_class_and_text(feature, cause):
-    # the emulation's error (harness/device_limits.py), known here by its class name and text only
+    # the emulation's error (emulation/device_limits.py), known here by its class name and text only
     lacks = type("EmulatedDeviceLacks", (RuntimeError,), {})
     found = gpu_only.cause_of(lacks(f"the emulated CUDA device (a CPU rank) has no {feature}: x needs a GPU"))
     assert found is not None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pytest_megatron_fsdp.harness import gpu_slices
+from pytest_megatron_fsdp.parent import gpu_slices
 
 EIGHT = [str(i) for i in range(8)]
 

@@ -1,11 +1,11 @@
-"""A torchrun rank's held terminal output (``harness.held_terminal``): nothing reaches the terminal
+"""A torchrun rank's held terminal output (``rank.held_terminal``): nothing reaches the terminal
 until the session shows whether it uses the plugin; then all of it, in order, goes to one place."""
 
 from __future__ import annotations
 
 import io
 
-from pytest_megatron_fsdp.harness.held_terminal import HeldOutput
+from pytest_megatron_fsdp.rank.held_terminal import HeldOutput
 
 
 class _Terminal(io.StringIO):

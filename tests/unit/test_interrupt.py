@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pytest_megatron_fsdp.harness.interrupt import INTERRUPT_SIGNAL, MainThreadInterrupt
+from pytest_megatron_fsdp.rank.interrupt import INTERRUPT_SIGNAL, MainThreadInterrupt
 
 
 def _busy_in_python(interrupt: MainThreadInterrupt, deadline: float) -> None:

@@ -1,19 +1,33 @@
-"""The package's architecture, held by its imports.
+"""The package's architecture, held by its imports: rooms by the process their code runs in.
 
-Three concerns, arrows only pointing down: ``harness/`` (launching and watching ranks) imports
-nothing from ``fsdp/`` (the Megatron-FSDP domain), ``reporting/`` or the Megatron-specific CPU mode
-(``cpu_mode``); the domain imports no pytest; the entry module loads no torch; and no module
-imports one that imports it back; only ``harness/pytest_compat.py`` imports pytest's private
-``_pytest``. Every import counts: module-level, lazy (inside a function) and
+============  ==========================================================================================
+room          what runs there
+============  ==========================================================================================
+``parent/``   the pytest process the user started (plain mode): the controller, the rank sets it
+              launches, pytest-xdist's queue, the GPU slices
+``rank/``     a rank (launched by the parent, or one of the user's torchrun or srun ranks): its plugin,
+              the runner that agrees every test's outcome, its session, watchdog and progress beacon
+``emulation/`` CUDA on CPU ranks (torch's CUDA entry points given CPU meanings, the device limits)
+``wire/``     what both sides share: the batch and report protocol, the rank directory's paths and
+              formats (``wire/rank_dir.py``), the wording of failures, the role decision, the platform
+``foreign/``  the foreign-suite mode (upstream's tests, unchanged, on the plugin's ranks)
+``fsdp/``     the Megatron-FSDP domain (no pytest)
+``reporting/`` the runs table, JSON, JUnit properties, golden values
+============  ==========================================================================================
+
+Arrows point down and never across the process boundary: ``parent/`` and ``rank/`` never import
+each other, they share ``wire/`` only (and the settings every process reads: ``options``,
+``marker``, ``environment``); ``wire/`` and ``emulation/`` import neither side; the domain imports
+no pytest and no harness room; the entry module (``plugin``, the one module above both sides) loads
+no torch; no module imports one that imports it back; only ``wire/pytest_compat.py`` imports
+pytest's private ``_pytest``. Every import counts: module-level, lazy (inside a function) and
 ``TYPE_CHECKING``-only ones.
 
-A process plays one role (plain-mode parent, launched rank, torchrun-mode rank; ``roles/``, one
-module per role), decided once: only the role decision (``roles/deciding.py``) reads the torchrun
-environment, an srun step's Slurm variables or the launched-by-parent flag, and exactly one role
-plugin is registered per process. ``roles/`` is a room of its own above the harness: a role holds
-its harness objects and imports them; ``harness/`` never imports a role. A role's class inherits no
-other role's class, only the interface every role's plugin offers (``RolePlugin``): what two roles
-share is held (the rank roles' one plugin holds its kind).
+A process plays one role (plain-mode parent, launched rank, torchrun-mode rank), decided once: only
+the role decision (``wire/role.py``) reads the torchrun environment, an srun step's Slurm variables
+or the launched-by-parent flag, and exactly one role plugin is registered per process. A plugin
+class inherits no other plugin class, only the interface every role's plugin offers
+(``RolePlugin``): what two roles share is held (the rank roles' one plugin holds its kind).
 """
 
 from __future__ import annotations
@@ -97,22 +111,41 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+#: room -> the rooms it must never import, and why
+FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
+    "parent": (("rank", "emulation"), "the parent never runs rank code"),
+    "rank": (("parent",), "a rank never runs the parent's code"),
+    "wire": (
+        ("parent", "rank", "emulation", "foreign", "fsdp", "reporting"),
+        "the wire is what both sides share",
+    ),
+    "emulation": (
+        ("parent", "rank", "wire", "foreign", "fsdp", "reporting"),
+        "the emulation patches torch only",
+    ),
+    "foreign": (("parent", "rank"), "the foreign-suite mode is held by the rank's plugin"),
+    "fsdp": (("parent", "rank", "wire", "emulation", "foreign", "reporting"), "the domain knows no harness"),
+    "reporting": (("parent", "rank", "wire", "emulation", "foreign"), "reports are plain data"),
+}
+
+
 def layering_problems(root: Path) -> list[str]:
     graph = imports(root)
     name = root.name
     problems = [" -> ".join(c) for c in cycles(graph)]
     for module, targets in sorted(graph.items()):
-        if module.startswith(f"{name}.fsdp"):
+        room = module.split(".")[1] if module.count(".") >= 2 else None
+        if room == "fsdp":
             problems += [
                 f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] in ("pytest", "_pytest")
             ]
-        if module.startswith(f"{name}.harness"):
-            problems += [
-                f"{module} imports {t}"
-                for t in sorted(targets)
-                if t.startswith((f"{name}.fsdp", f"{name}.reporting", f"{name}.cpu_mode", f"{name}.roles"))
-            ]
-        if module != f"{name}.harness.pytest_compat":
+        forbidden, why = FORBIDDEN.get(room or "", ((), ""))
+        problems += [
+            f"{module} imports {t} ({why})"
+            for t in sorted(targets)
+            if t.startswith(name + ".") and t.split(".")[1] in forbidden
+        ]
+        if module != f"{name}.wire.pytest_compat":
             problems += [f"{module} imports {t}" for t in sorted(targets) if t.split(".")[0] == "_pytest"]
     loaded_by_entry = _reach(imports(root, module_level_only=True), f"{name}.plugin")
     problems += [f"{name}.plugin loads {t}" for t in sorted(loaded_by_entry) if t.split(".")[0] in HEAVY]
@@ -134,12 +167,12 @@ TORCHRUN_VARIABLES = (
 ROLE_READERS = ("from_environ", "launched_by_parent", "step_of", "in_multi_task_step")
 #: the modules that may name them, and why
 ROLE_MODULES = {
-    "roles.deciding": "decides the role, once",
-    "harness.session": "TorchrunEnv.from_environ parses torchrun's variables (called by roles only)",
-    "harness.protocol": "defines the launched-by-parent flag",
-    "harness.launcher": "names torchrun's variables to remove them from the rank sets it launches",
-    "harness.rank_entry": "a launched rank's entry point: its rank, before pytest (and the role) exist",
-    "harness.slurm": "maps an srun step's Slurm variables to torchrun's (step_of, called by roles only)",
+    "wire.role": "decides the role, once",
+    "wire.torchrun_env": "parses torchrun's variables (TorchrunEnv.from_environ; the role decision calls it)",
+    "wire.protocol": "defines the launched-by-parent flag",
+    "parent.launcher": "names torchrun's variables to remove them from the rank sets it launches",
+    "rank.entry": "a launched rank's entry point: its rank, before pytest (and the role) exist",
+    "wire.slurm": "maps an srun step's Slurm variables to torchrun's (step_of; the role decision calls it)",
 }
 
 
@@ -163,16 +196,27 @@ def role_problems(root: Path) -> list[str]:
     return problems
 
 
-#: the one class in ``roles/`` a role's class may inherit: what every role's plugin class offers
+#: the one class a role's class may inherit: what every role's plugin class offers
 ROLE_INTERFACE = "RolePlugin"
+#: the modules that define the roles' plugin classes and what they hold
+ROLE_CLASS_MODULES = (
+    "wire.role",
+    "parent.plugin",
+    "rank.plugin",
+    "rank.launched",
+    "rank.torchrun",
+    "rank.awaiting",
+)
 
 
 def inheritance_problems(root: Path) -> list[str]:
-    """Classes in ``roles/`` that inherit another class of ``roles/`` than :data:`ROLE_INTERFACE`:
+    """Classes of the role modules that inherit another of their classes than :data:`ROLE_INTERFACE`:
     a role holds what it shares with another (as a rank's plugin holds its kind), it does not
     inherit it."""
     trees = {
-        m: ast.parse(p.read_text()) for m, p in _modules(root).items() if m.startswith(f"{root.name}.roles")
+        m: ast.parse(p.read_text())
+        for m, p in _modules(root).items()
+        if m.partition(".")[2] in ROLE_CLASS_MODULES
     }
     classes = [node for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
     defined = {node.name for node in classes} - {ROLE_INTERFACE}
@@ -191,7 +235,7 @@ def inheritance_problems(root: Path) -> list[str]:
 def test_the_package_is_layered_and_acyclic():
     assert set(_modules(PACKAGE)) >= {
         "pytest_megatron_fsdp.plugin",
-        "pytest_megatron_fsdp.harness.rank",
+        "pytest_megatron_fsdp.rank.runner",
         "pytest_megatron_fsdp.fsdp.training",
         "pytest_megatron_fsdp.reporting.report",
     }
@@ -231,30 +275,54 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         ({"fsdp/__init__.py": "", "fsdp/c.py": "import pytest\n"}, "pkg.fsdp.c imports pytest"),
         (
             {
-                "harness/__init__.py": "",
                 "fsdp/__init__.py": "",
-                "fsdp/d.py": "",
-                "harness/e.py": "from ..fsdp import d\n",
+                "wire/__init__.py": "",
+                "wire/d.py": "",
+                "fsdp/e.py": "from ..wire import d\n",
             },
-            "pkg.harness.e imports pkg.fsdp.d",
+            "pkg.fsdp.e imports pkg.wire.d (the domain knows no harness)",
         ),
         ({"plugin.py": "from . import heavy\n", "heavy.py": "import torch\n"}, "pkg.plugin loads torch"),
+        # the process boundary, both ways, also through a lazy import
         (
-            {"harness/__init__.py": "", "cpu_mode.py": "", "harness/f.py": "from .. import cpu_mode\n"},
-            "pkg.harness.f imports pkg.cpu_mode",
+            {
+                "parent/__init__.py": "",
+                "rank/__init__.py": "",
+                "rank/runner.py": "",
+                "parent/f.py": "from ..rank import runner\n",
+            },
+            "pkg.parent.f imports pkg.rank.runner (the parent never runs rank code)",
         ),
         (
             {
-                "harness/__init__.py": "",
-                "roles/__init__.py": "",
-                "roles/parent.py": "",
-                "harness/j.py": "def f():\n    from ..roles import parent\n",
+                "parent/__init__.py": "",
+                "rank/__init__.py": "",
+                "parent/controller.py": "",
+                "rank/j.py": "def f():\n    from ..parent import controller\n",
             },
-            "pkg.harness.j imports pkg.roles.parent",
+            "pkg.rank.j imports pkg.parent.controller (a rank never runs the parent's code)",
         ),
         (
-            {"harness/__init__.py": "", "harness/k.py": "from _pytest.runner import runtestprotocol\n"},
-            "pkg.harness.k imports _pytest.runner",
+            {
+                "wire/__init__.py": "",
+                "rank/__init__.py": "",
+                "rank/progress.py": "",
+                "wire/m.py": "from ..rank.progress import x\n",
+            },
+            "pkg.wire.m imports pkg.rank.progress (the wire is what both sides share)",
+        ),
+        (
+            {
+                "emulation/__init__.py": "",
+                "wire/__init__.py": "",
+                "wire/platform.py": "",
+                "emulation/n.py": "from ..wire import platform\n",
+            },
+            "pkg.emulation.n imports pkg.wire.platform (the emulation patches torch only)",
+        ),
+        (
+            {"wire/__init__.py": "", "wire/k.py": "from _pytest.runner import runtestprotocol\n"},
+            "pkg.wire.k imports _pytest.runner",
         ),
         ({"plugin.py": "import os\nrank = os.environ['RANK']\n"}, "pkg.plugin reads torchrun's RANK"),
         (
@@ -263,31 +331,32 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         ),
         (
             {
-                "harness/__init__.py": "",
-                "harness/g.py": "from .session import TorchrunEnv\nTorchrunEnv.from_environ()\n",
+                "rank/__init__.py": "",
+                "rank/g.py": "from ..wire.torchrun_env import TorchrunEnv\nTorchrunEnv.from_environ()\n",
             },
-            "pkg.harness.g asks which role it plays (from_environ)",
+            "pkg.rank.g asks which role it plays (from_environ)",
         ),
         (
-            {"harness/__init__.py": "", "harness/h.py": "from .protocol import launched_by_parent\n"},
-            "pkg.harness.h asks which role it plays (launched_by_parent)",
+            {"parent/__init__.py": "", "parent/h.py": "from ..wire.protocol import launched_by_parent\n"},
+            "pkg.parent.h asks which role it plays (launched_by_parent)",
         ),
         (
             {"fixtures.py": "import os\nx = os.environ['SLURM_PROCID']\n"},
             "pkg.fixtures reads Slurm's SLURM_PROCID",
         ),
         (
-            {"harness/__init__.py": "", "harness/i.py": "from . import slurm\nslurm.step_of({})\n"},
-            "pkg.harness.i asks which role it plays (step_of)",
+            {"rank/__init__.py": "", "rank/i.py": "from ..wire import slurm\nslurm.step_of({})\n"},
+            "pkg.rank.i asks which role it plays (step_of)",
         ),
         (
             {
-                "roles/__init__.py": "",
-                "roles/deciding.py": "class RolePlugin: ...\n",
-                "roles/ranks.py": "from .deciding import RolePlugin\nclass RankPlugin(RolePlugin): ...\n",
-                "roles/launched.py": "from . import ranks\nclass LaunchedRankPlugin(ranks.RankPlugin): ...\n",
+                "wire/__init__.py": "",
+                "rank/__init__.py": "",
+                "wire/role.py": "class RolePlugin: ...\n",
+                "rank/plugin.py": "from ..wire.role import RolePlugin\nclass RankPlugin(RolePlugin): ...\n",
+                "rank/launched.py": "from . import plugin\nclass Launched(plugin.RankPlugin): ...\n",
             },
-            "pkg.roles.launched: LaunchedRankPlugin inherits RankPlugin",
+            "pkg.rank.launched: Launched inherits RankPlugin",
         ),
     ],
 )
@@ -311,9 +380,11 @@ def test_the_check_fails_on_each_kind_of_violation(tmp_path, files, expected):
 def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, environ, args, expected, kind):
     """A configured session of each role (in process, no rank started) holds one role plugin, of
     its role's class (a rank's holding its kind), and no other controller or rank plugin."""
-    from pytest_megatron_fsdp import cpu_mode, roles
-    from pytest_megatron_fsdp.harness.controller import Controller
-    from pytest_megatron_fsdp.harness.rank import RankRunner
+    from pytest_megatron_fsdp.emulation import cpu_mode
+    from pytest_megatron_fsdp.parent.controller import Controller
+    from pytest_megatron_fsdp.rank.plugin import RankPlugin
+    from pytest_megatron_fsdp.rank.runner import RankRunner
+    from pytest_megatron_fsdp.wire.role import RolePlugin, role_of
 
     monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
     monkeypatch.setattr(cpu_mode, "disable", lambda: None)
@@ -330,8 +401,8 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
         *(a.format(tmp=tmp) for a in args),
     )
     plugins = config.pluginmanager.get_plugins()
-    role_plugins = [p for p in plugins if isinstance(p, (roles.RolePlugin, Controller, RankRunner))]
+    role_plugins = [p for p in plugins if isinstance(p, (RolePlugin, Controller, RankRunner))]
     assert [type(p).__name__ for p in role_plugins] == [expected]
-    assert type(role_plugins[0]) is roles.role_of(config).plugin_class
+    assert type(role_plugins[0]) is role_of(config).plugin_class
     plugin = role_plugins[0]
-    assert (type(plugin.kind).__name__ if isinstance(plugin, roles.RankPlugin) else None) == kind
+    assert (type(plugin.kind).__name__ if isinstance(plugin, RankPlugin) else None) == kind

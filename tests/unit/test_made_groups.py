@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-from pytest_megatron_fsdp.harness.made_groups import MadeGroups
+from pytest_megatron_fsdp.emulation.made_groups import MadeGroups
 
 
 class Group:

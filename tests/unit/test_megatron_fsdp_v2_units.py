@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
+from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
 from pytest_megatron_fsdp.fsdp import versions
 from pytest_megatron_fsdp.fsdp.config import ConfigError, RunConfig, validate
-from pytest_megatron_fsdp.harness import cuda_emulation
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ sessions of 2 CPU ranks, read as a user would, are tests/integration/test_messag
 import logging
 from pathlib import Path
 
-from pytest_megatron_fsdp.cpu_mode import EMULATED_DEVICE_WARNING, MEGATRON_FSDP_LOGGERS
-from pytest_megatron_fsdp.harness.agreement import error_signature, failure_text
+from pytest_megatron_fsdp.emulation.cpu_mode import EMULATED_DEVICE_WARNING, MEGATRON_FSDP_LOGGERS
+from pytest_megatron_fsdp.rank.agreement import error_signature, failure_text
 
 LOGS = Path("/logs")
 TRACEBACK = """\

@@ -11,9 +11,9 @@ import itertools
 import pytest
 
 from pytest_megatron_fsdp import marker, options
-from pytest_megatron_fsdp.harness import explain
-from pytest_megatron_fsdp.harness.explain import PostMortem
 from pytest_megatron_fsdp.options import OPTIONS, Setting, value_of
+from pytest_megatron_fsdp.wire import explain
+from pytest_megatron_fsdp.wire.explain import PostMortem
 
 pytest.importorskip("pytest_timeout", reason="the dev extra's pytest-timeout")
 pytest.importorskip("pytest_rerunfailures", reason="the dev extra's pytest-rerunfailures")

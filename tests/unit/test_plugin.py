@@ -95,7 +95,7 @@ def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
     pytester.makeini("[pytest]\nmfsdp_timeout = 40\n")
     pytester.makeconftest(
         "import pytest\n"
-        "from pytest_megatron_fsdp.harness.protocol import spec_of\n"
+        "from pytest_megatron_fsdp.wire.protocol import spec_of\n"
         "@pytest.hookimpl(trylast=True)\n"
         "def pytest_collection_modifyitems(items):\n"
         "    for item in items:\n"
@@ -121,7 +121,7 @@ def test_timeout_precedence_marker_cli_env_ini(pytester, monkeypatch):
 
 def _sees_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """The session (run in this process) sees ``n`` GPUs; no rank is launched in these tests."""
-    from pytest_megatron_fsdp.harness import platform
+    from pytest_megatron_fsdp.wire import platform
 
     monkeypatch.setattr(platform, "visible_gpu_count", lambda fast=False: n)
 

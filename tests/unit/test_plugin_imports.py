@@ -23,7 +23,7 @@ def test_auto_platform_without_gpu_device_nodes_needs_no_torch_import():
     # no torch import. (A GPU machine takes the torch path, also checked.)
     code = (
         "import glob, sys\n"
-        "from pytest_megatron_fsdp.harness.platform import _GPU_DEVICE_NODES, select_platform\n"
+        "from pytest_megatron_fsdp.wire.platform import _GPU_DEVICE_NODES, select_platform\n"
         "nodes = any(glob.glob(p) for p in _GPU_DEVICE_NODES)\n"
         "choice = select_platform('auto', 2)\n"
         "assert ('torch' in sys.modules) == nodes  # torch is asked only where a GPU may be\n"

@@ -17,9 +17,9 @@ import pytest
 from run_records import run_record
 
 from pytest_megatron_fsdp import postmortem
-from pytest_megatron_fsdp.harness import explain, flight_recorder, protocol
-from pytest_megatron_fsdp.harness.explain import PostMortem
 from pytest_megatron_fsdp.reporting.report import report_document, write_json
+from pytest_megatron_fsdp.wire import explain, flight_recorder, rank_dir
+from pytest_megatron_fsdp.wire.explain import PostMortem
 
 SECOND = 1_000_000_000
 NODEID = "test_stuck.py::test_rank1_skips_the_broadcast"
@@ -84,7 +84,7 @@ def write_hang(run_dir: Path, dumped_s: int = 36, legacy: bool = False) -> None:
         1: fr_dump([fr_entry(0, 1, "all_reduce", [[4]], True, 10)]),
     }
     for rank, trace in traces.items():
-        path = run_dir / f"rank{rank}.fr" if legacy else flight_recorder.dump_path(run_dir, rank)
+        path = run_dir / f"rank{rank}.fr" if legacy else rank_dir.dump_path(run_dir, rank)
         path.write_bytes(pickle.dumps(trace))
         os.utime(path, ns=(dumped_s * SECOND, dumped_s * SECOND))
         (run_dir / f"rank{rank}.expired").write_text(NODEID)
@@ -125,7 +125,7 @@ def test_collectives_with_no_mismatch_says_so(tmp_path):
     run_dir.mkdir()
     for rank in range(2):
         trace = fr_dump([fr_entry(0, 1, "all_reduce", [[4]], True, 10)])
-        flight_recorder.dump_path(run_dir, rank).write_bytes(pickle.dumps(trace))
+        rank_dir.dump_path(run_dir, rank).write_bytes(pickle.dumps(trace))
     code, out = cli("collectives", str(run_dir), "--last", "1")
     assert code == 0
     assert "first mismatch: none (every rank recorded the same collectives)" in out.splitlines()
@@ -195,7 +195,7 @@ def test_a_timeout_report_names_the_commands_that_read_the_dumps(tmp_path):
 
 def test_a_missing_dump_asks_torchfrtrace_for_a_partial_analysis(tmp_path):
     write_hang(tmp_path)
-    flight_recorder.dump_path(tmp_path, 1).unlink()
+    rank_dir.dump_path(tmp_path, 1).unlink()
     lines = flight_recorder.section(tmp_path, 2, 36 * SECOND)
     assert (
         f"  torch's analyser: torchfrtrace {tmp_path} -p flight_recorder_rank_ --allow-incomplete-ranks"
@@ -213,10 +213,10 @@ def test_no_dumps_no_commands(tmp_path):
 def test_dump_names_are_what_torchfrtrace_parses(tmp_path):
     """torchfrtrace takes every file whose name holds the prefix and reads the rank from what follows
     it (``int(name[len(prefix):])``); nothing else the ranks write beside their logs holds it."""
-    names = [flight_recorder.dump_path(tmp_path, r).name for r in (0, 1, 12)]
-    assert [int(n[len(flight_recorder.DUMP_PREFIX) :]) for n in names] == [0, 1, 12]
+    names = [rank_dir.dump_path(tmp_path, r).name for r in (0, 1, 12)]
+    assert [int(n[len(rank_dir.DUMP_PREFIX) :]) for n in names] == [0, 1, 12]
     others = ["rank0.log", "rank0.pid", "rank0.expired", "rank0.aligned", "torchrun.log", "rank0.fr"]
-    assert not any(flight_recorder.DUMP_PREFIX in name for name in others)
+    assert not any(rank_dir.DUMP_PREFIX in name for name in others)
 
 
 def test_a_gloo_records_nameless_group_config_is_completed_for_torchfrtrace():
@@ -250,7 +250,7 @@ def test_stacks_shows_each_ranks_dump_with_why(tmp_path):
     run_dir = tmp_path / "batch1-world2"
     run_dir.mkdir()
     dump = _faulthandler_dump(tmp_path)
-    banner = f"{protocol.TIMEOUT_BANNER}: {NODEID} exceeded its 6 s timeout on rank 0; stacks follow"
+    banner = f"{rank_dir.TIMEOUT_BANNER}: {NODEID} exceeded its 6 s timeout on rank 0; stacks follow"
     (run_dir / "rank0.log").write_text(f"[10:00:00] START {NODEID} (timeout 6 s)\n{banner}\n{dump}after\n")
     (run_dir / "rank1.log").write_text(f"[10:00:00] START {NODEID} (timeout 6 s)\n")
     code, out = cli("stacks", str(tmp_path))
@@ -282,8 +282,44 @@ def test_stacks_of_faulthandlers_own_watchdog_say_why(tmp_path):
     assert lines[3].startswith("  Thread 0x"), out
 
 
-def test_the_timeout_banner_is_the_harness_one():
-    assert postmortem.TIMEOUT_BANNER == protocol.TIMEOUT_BANNER
+#: what only the rank directory's module may spell: its file names and the log lines read back
+RANK_DIR_SPELLINGS = (
+    "MFSDP-TIMEOUT",
+    "flight_recorder_rank_",
+    "torchrun.log",
+    ".expired",
+    ".aligned",
+    ".pid",
+    "START ",
+)
+
+
+def _literal_texts(path):
+    """Every string literal of a module but its docstrings, f-strings' literal parts included."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    ]
+
+
+def test_only_the_rank_dir_module_spells_the_rank_directory():
+    """Writers (rank/), readers (parent/, wire/explain.py, postmortem) and the flight recorder take every
+    name and line format of the rank directory from wire/rank_dir.py: a second spelling drifts apart."""
+    package = Path(postmortem.__file__).parent
+    found = [
+        f"{path.relative_to(package)}: {text!r}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "rank_dir.py" or path.parent.name != "wire"
+        for text in _literal_texts(path)
+        if any(spelling in text for spelling in RANK_DIR_SPELLINGS)
+        or (text.startswith("rank") and text.endswith(".log"))
+    ]
+    assert found == []
 
 
 # -- the JSON report ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Hung or slow (``harness/progress.py``): the signs of progress one look sees, the verdict on a test
+"""Hung or slow (``rank/progress.py``): the signs of progress one look sees, the verdict on a test
 whose ranks got nowhere or were still getting somewhere, and the beacons that share every rank's
 progress through the store. The sessions that show the verdicts: tests/e2e/test_hang_or_slow.py."""
 
@@ -13,9 +13,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from pytest_megatron_fsdp.harness import explain, progress
-from pytest_megatron_fsdp.harness.explain import PostMortem, describe_death
-from pytest_megatron_fsdp.harness.progress import Look, ProgressBeacon, Verdict
+from pytest_megatron_fsdp.rank import progress
+from pytest_megatron_fsdp.rank.progress import Look, ProgressBeacon
+from pytest_megatron_fsdp.wire import explain
+from pytest_megatron_fsdp.wire.explain import PostMortem, describe_death
+from pytest_megatron_fsdp.wire.protocol import Verdict
 
 
 def _look(at: float, cpu_s: float = 0.0, collectives=(("0", 5),), python_at=((1, 10),)) -> Look:

@@ -1,5 +1,5 @@
 """The two kinds of rank, in process: both rank roles register the one rank plugin class
-(``roles.ranks.RankPlugin``), and what differs between a rank of a set the parent launched and a
+(``rank.plugin.RankPlugin``), and what differs between a rank of a set the parent launched and a
 rank of a torchrun session the user started is its kind (``LaunchedRank``, ``TorchrunRank``), each
 fact stated once there. The real sessions are the end-to-end tier's (test_faults.py and
 test_torchrun_timeouts.py among others)."""
@@ -16,11 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_megatron_fsdp.harness import owned_temp, protocol
-from pytest_megatron_fsdp.harness.session import TorchrunEnv
-from pytest_megatron_fsdp.roles import AwaitingUse, LaunchedRank, ProcessRole, RankPlugin, Role, TorchrunRank
-from pytest_megatron_fsdp.roles.deciding import PLUGINS
-from pytest_megatron_fsdp.roles.ranks import KINDS, RANK_TEMP, RUN_TEMP
+from pytest_megatron_fsdp.rank import owned_temp
+from pytest_megatron_fsdp.rank.awaiting import AwaitingUse
+from pytest_megatron_fsdp.rank.launched import LaunchedRank
+from pytest_megatron_fsdp.rank.plugin import KINDS, RANK_TEMP, RUN_TEMP, RankPlugin
+from pytest_megatron_fsdp.rank.torchrun import TorchrunRank
+from pytest_megatron_fsdp.wire import protocol
+from pytest_megatron_fsdp.wire.role import PLUGINS, ProcessRole, Role
+from pytest_megatron_fsdp.wire.torchrun_env import TorchrunEnv
 
 RANK1 = TorchrunEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
 
@@ -157,7 +160,7 @@ def test_sigterm_interrupts_a_torchrun_rank_only_while_its_tests_run() -> None:
     """While tests run, the signal is Ctrl-C (the session reports what ran and names the rest);
     outside (torchrun stopping the other ranks after one exited non-zero, at a session's normal
     end) its default action ends the process as before. SIGUSR1 stands in for SIGTERM in process."""
-    from pytest_megatron_fsdp.roles.torchrun_rank import _interrupt_on
+    from pytest_megatron_fsdp.rank.torchrun import _interrupt_on
 
     restore = _interrupt_on(signal.SIGUSR1, only_while=lambda: True)
     try:
@@ -169,7 +172,7 @@ def test_sigterm_interrupts_a_torchrun_rank_only_while_its_tests_run() -> None:
     # outside the test loop the default action ends the process: in a fresh interpreter
     code = (
         "import signal\n"
-        "from pytest_megatron_fsdp.roles.torchrun_rank import _interrupt_on\n"
+        "from pytest_megatron_fsdp.rank.torchrun import _interrupt_on\n"
         "_interrupt_on(signal.SIGTERM, only_while=lambda: False)\n"
         "signal.raise_signal(signal.SIGTERM)\n"
         "print('survived')\n"

@@ -7,13 +7,12 @@ import os
 import subprocess
 import sys
 
-from pytest_megatron_fsdp.harness import owned_temp
+from pytest_megatron_fsdp.rank import owned_temp
 
 
 def _made_by_a_process_that_ended(root, prefix: str) -> str:
     code = (
-        "from pytest_megatron_fsdp.harness import owned_temp\n"
-        f"print(owned_temp.make({prefix!r}, {str(root)!r}))"
+        f"from pytest_megatron_fsdp.rank import owned_temp\nprint(owned_temp.make({prefix!r}, {str(root)!r}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip()

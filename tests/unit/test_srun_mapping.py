@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_megatron_fsdp import roles
-from pytest_megatron_fsdp.harness import slurm
+from pytest_megatron_fsdp.wire import role as roles
+from pytest_megatron_fsdp.wire import slurm
 
 
 @pytest.mark.parametrize(

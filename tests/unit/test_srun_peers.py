@@ -19,8 +19,8 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 
 from pytest_megatron_fsdp.environment import DistEnv  # noqa: E402
-from pytest_megatron_fsdp.harness import session as session_module  # noqa: E402
-from pytest_megatron_fsdp.harness.session import PeersGone, RankSession, SessionCannotGoOn  # noqa: E402
+from pytest_megatron_fsdp.rank import session as session_module  # noqa: E402
+from pytest_megatron_fsdp.rank.session import PeersGone, RankSession, SessionCannotGoOn  # noqa: E402
 
 
 def _free_port() -> int:

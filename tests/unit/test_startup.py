@@ -12,8 +12,9 @@ import subprocess
 import sys
 import time
 
-from pytest_megatron_fsdp.harness import rank_entry
-from pytest_megatron_fsdp.harness.launcher import RankSet
+from pytest_megatron_fsdp.parent.launcher import RankSet
+from pytest_megatron_fsdp.rank import entry as rank_entry
+from pytest_megatron_fsdp.wire import rank_dir
 
 
 def test_a_waiting_rank_gets_its_command_line_or_gives_up_when_the_parent_is_gone(tmp_path):
@@ -53,9 +54,9 @@ def test_a_rank_set_is_done_when_its_ranks_are_not_when_torchrun_has_shut_down(t
             [sys.executable, "-c", "import time; time.sleep(60)", str(rank_set._argv_path)]
         )
         (rank_set.log_dir / "rank1.pid").write_text(str(rank1.pid))
-        rank_entry.exit_status_path(rank_set._argv_path, 0).write_text("0")
+        rank_dir.exit_status_path(rank_set._argv_path, 0).write_text("0")
         assert rank_set.wait(0.3) is None
-        rank_entry.exit_status_path(rank_set._argv_path, 1).write_text("1")
+        rank_dir.exit_status_path(rank_set._argv_path, 1).write_text("1")
         assert rank_set.wait(0.3) is None  # its status is there, but the process is not gone yet
         rank1.kill()
         rank1.wait()
@@ -71,7 +72,7 @@ def test_a_rank_set_is_done_when_its_ranks_are_not_when_torchrun_has_shut_down(t
 def test_a_rank_that_died_without_a_status_is_waited_for_through_torchrun(tmp_path):
     rank_set = _rank_set_without_launch(tmp_path)
     try:
-        rank_entry.exit_status_path(rank_set._argv_path, 0).write_text("0")
+        rank_dir.exit_status_path(rank_set._argv_path, 0).write_text("0")
         assert rank_set.wait(0.3) is None  # rank 1 left no status: torchrun's summary will say why
         rank_set.proc.kill()
         assert rank_set.wait(5) == rank_set.proc.returncode != 0

@@ -2,7 +2,7 @@
 
 import warnings
 
-from pytest_megatron_fsdp.harness import warnings_relay
+from pytest_megatron_fsdp.wire import warnings_relay
 
 
 def test_merge_counts_a_warning_raised_alike_on_every_rank_once():

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_megatron_fsdp.harness import xdist_queue
+from pytest_megatron_fsdp.parent import xdist_queue
 
 
 class WorkerInteractor:  # the adapter finds xdist's plugin by this class name

@@ -1,1 +1,0 @@
-"""The harness: launching and watching ranks. Imports nothing from ``fsdp`` or ``reporting``."""
