@@ -94,9 +94,39 @@ def isolated_tmp(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> 
     return tmp
 
 
+#: how long a check of what a finished session left waits for processes that are ending and
+#: files their exit removes: a process that exits in the moment the check looks is not a leftover,
+#: one still there after this is
+SETTLE_S = 10.0
+
+
+def settled(look: Callable[[], list[str]], settle_s: float = SETTLE_S) -> list[str]:
+    """What ``look`` finds once it finds nothing, or after ``settle_s``: a check that waits for the
+    state it asserts instead of sampling one instant."""
+    deadline = time.monotonic() + settle_s
+    found = look()
+    while found and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = look()
+    return found
+
+
 def running_under(path: Path) -> list[str]:
     """The processes still running whose command line names ``path`` (a test's directory): the
-    torchrun agents and ranks of the sessions it launched (``pid: command line`` each)."""
+    torchrun agents and ranks of the sessions it launched (``pid: command line`` each), waited
+    for up to :data:`SETTLE_S`."""
+    return settled(lambda: _running_under_now(path))
+
+
+def left_in(directory: Path, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The names left in ``directory`` (those starting with an ``ignore`` prefix aside), waited for
+    up to :data:`SETTLE_S` to be gone."""
+    return settled(
+        lambda: sorted(p.name for p in directory.iterdir() if not (ignore and p.name.startswith(ignore)))
+    )
+
+
+def _running_under_now(path: Path) -> list[str]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if int(pid) == os.getpid():
@@ -115,6 +145,12 @@ def running_under(path: Path) -> list[str]:
 def leftover_processes() -> Callable[[Path], list[str]]:
     """:func:`running_under` as a fixture."""
     return running_under
+
+
+@pytest.fixture
+def leftover_files() -> Callable[..., list[str]]:
+    """:func:`left_in` as a fixture."""
+    return left_in
 
 
 def torchrun_pytest_command(*pytest_args: str, nproc: int = 2) -> list[str]:

@@ -65,7 +65,7 @@ def test_a_fresh_rank_set_loads_the_previous_checkpoint_exactly(megatron_fsdp_ru
 
 
 def test_a_save_killed_mid_write_never_loads_and_the_previous_one_does(
-    pytester, monkeypatch, isolated_tmp, leftover_processes
+    pytester, monkeypatch, isolated_tmp, leftover_processes, leftover_files
 ):
     root = pytester.path / "killed"
     root.mkdir()
@@ -82,4 +82,4 @@ def test_a_save_killed_mid_write_never_loads_and_the_previous_one_does(
         ["PASSED test_killed.py::test_a_fresh_rank_set_loads_the_previous_checkpoint_exactly"]
     )
     assert leftover_processes(pytester.path) == []
-    assert sorted(p.name for p in isolated_tmp.iterdir()) == []
+    assert leftover_files(isolated_tmp) == []

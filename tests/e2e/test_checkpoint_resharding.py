@@ -121,7 +121,9 @@ def test_load_2_at_1(megatron_fsdp_run, run_config):
 )
 
 
-def test_a_checkpoint_loads_at_any_world_size(pytester, monkeypatch, isolated_tmp, leftover_processes):
+def test_a_checkpoint_loads_at_any_world_size(
+    pytester, monkeypatch, isolated_tmp, leftover_processes, leftover_files
+):
     root = pytester.path / "checkpoints"
     root.mkdir()
     monkeypatch.setenv("RESHARD_ROOT", str(root))
@@ -142,4 +144,4 @@ def test_a_checkpoint_loads_at_any_world_size(pytester, monkeypatch, isolated_tm
         shards = sorted(p.name for p in (root / source / f"iter_{iteration:07d}").glob("*.distcp"))
         assert shards == [f"__{r}_0.distcp" for r in range(ranks)]
     assert leftover_processes(pytester.path) == []
-    assert sorted(p.name for p in isolated_tmp.iterdir()) == []
+    assert leftover_files(isolated_tmp) == []

@@ -139,7 +139,7 @@ def pytest_sessionfinish(session):
 
 
 def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
-    pytester, monkeypatch, isolated_tmp, leftover_processes
+    pytester, monkeypatch, isolated_tmp, leftover_processes, leftover_files
 ):
     monkeypatch.setenv("CI", "true")  # pytest's short summary then prints each message untrimmed
     pytester.makepyfile(test_faults=FAULTS)
@@ -226,7 +226,7 @@ def test_every_fault_ends_as_its_own_failure_and_nothing_is_left(
 
     # Nothing left running, nothing left in the temp dir.
     assert leftover_processes(pytester.path) == []
-    assert sorted(p.name for p in isolated_tmp.iterdir()) == [], list(isolated_tmp.iterdir())
+    assert leftover_files(isolated_tmp) == []
 
 
 def test_ranks_must_collect_the_same_tests(pytester, isolated_tmp, leftover_processes, torchrun_pytest):

@@ -52,7 +52,7 @@ def test_trains(megatron_fsdp_run, run_config):
     assert len(runs[0]["losses"]) == 2
 
 
-def test_two_node_torchrun_ranks_know_global_and_local_rank(pytester, free_port):
+def test_two_node_torchrun_ranks_know_global_and_local_rank(pytester, free_port, leftover_files):
     shared = pytester.path / "shared"
     shared.mkdir()
     pytester.makepyfile(
@@ -104,7 +104,7 @@ def test_ranks_and_shared_dir(dist_env):
             agent.kill()
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
     assert "1 passed" in outputs[0]
-    assert list(shared.iterdir()) == []  # the session's private subdirectory is gone
+    assert leftover_files(shared) == []  # the session's private subdirectory is gone
 
 
 #: a module fixture torn down when the session moves on past a distributed test, and a local test

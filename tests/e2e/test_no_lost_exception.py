@@ -65,7 +65,7 @@ def pytest_runtest_logreport(report):
 
 
 def test_a_rank_failing_while_its_peer_waits_in_megatron_fsdp_collectives_is_reported_in_time(
-    pytester, leftover_processes, isolated_tmp
+    pytester, leftover_processes, isolated_tmp, leftover_files
 ):
     pytester.makepyfile(test_boom=BOOM)
     pytester.makeconftest(REPORT_TIME_CONFTEST)
@@ -114,4 +114,4 @@ def test_a_rank_failing_while_its_peer_waits_in_megatron_fsdp_collectives_is_rep
     # loaded machine
     assert wall < 150, wall
     assert leftover_processes(pytester.path) == []
-    assert list(isolated_tmp.iterdir()) == []
+    assert leftover_files(isolated_tmp) == []

@@ -59,7 +59,7 @@ def _assert_each_rank_names_the_mismatch(out: str) -> None:
 
 
 def test_mismatched_collectives_fail_at_once_on_every_rank(
-    pytester, monkeypatch, leftover_processes, isolated_tmp
+    pytester, monkeypatch, leftover_processes, isolated_tmp, leftover_files
 ):
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
     pytester.makepyfile(test_mismatch=MISMATCH)
@@ -74,10 +74,12 @@ def test_mismatched_collectives_fail_at_once_on_every_rank(
     reported = float((pytester.path / "reported_at.txt").read_text())
     assert reported - entered <= REPORT_BOUND_S, (reported - entered, out)
     assert leftover_processes(pytester.path) == []
-    assert list(isolated_tmp.iterdir()) == []
+    assert leftover_files(isolated_tmp) == []
 
 
-def test_torchrun_mode_too(pytester, monkeypatch, leftover_processes, isolated_tmp, torchrun_pytest):
+def test_torchrun_mode_too(
+    pytester, monkeypatch, leftover_processes, isolated_tmp, torchrun_pytest, leftover_files
+):
     """The user's own torchrun: the option (here from the environment) takes effect in each rank's
     pytest before any conftest or test module runs."""
     monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
@@ -99,4 +101,4 @@ def test_torchrun_mode_too(pytester, monkeypatch, leftover_processes, isolated_t
     entered = float((pytester.path / "entered_at.txt").read_text())
     assert time.time() - entered < TEST_TIMEOUT_S / 2, out
     assert leftover_processes(pytester.path) == []
-    assert [p.name for p in isolated_tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
+    assert leftover_files(isolated_tmp, ignore=("torchelastic_",)) == []

@@ -14,7 +14,14 @@ import pytest
 RECORDING_CONFTEST = """
 import json, os, time
 
+def _cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\\0", b" ").decode()
+
 def _children(pid):
+    # A child between fork and exec shows an empty command line or its parent's: wait (bounded)
+    # until each has its own, so that what is recorded is what the child runs.
+    own = _cmdline(pid)
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -22,12 +29,16 @@ def _children(pid):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\\0", b" ").decode()
+            if ppid != pid:
+                continue
+            deadline = time.monotonic() + 10
+            cmdline = _cmdline(entry)
+            while cmdline in ("", own) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                cmdline = _cmdline(entry)
         except OSError:
             continue
-        if ppid == pid:
-            found.append(cmdline)
+        found.append(cmdline)
     return found
 
 def pytest_collection_modifyitems(config, items):
@@ -61,7 +72,9 @@ def test_plain():
 """
 
 
-def test_the_rank_set_is_launched_while_the_parent_still_collects(pytester, isolated_tmp, leftover_processes):
+def test_the_rank_set_is_launched_while_the_parent_still_collects(
+    pytester, isolated_tmp, leftover_processes, leftover_files
+):
     pytester.makeconftest(RECORDING_CONFTEST)
     pytester.makepyfile(test_a_distributed=DISTRIBUTED, test_b_plain=PLAIN)
     result = pytester.runpytest_subprocess("--mfsdp-platform=cpu", timeout=300)
@@ -72,12 +85,12 @@ def test_the_rank_set_is_launched_while_the_parent_still_collects(pytester, isol
     assert "--nproc_per_node=2" in launched[0]
     assert "pytest_megatron_fsdp.rank.entry" in launched[0]
     assert leftover_processes(pytester.path) == []
-    assert list(isolated_tmp.iterdir()) == []
+    assert leftover_files(isolated_tmp) == []
 
 
 @pytest.mark.parametrize("how", [["-k", "plain"], ["--collect-only"]])
 def test_a_rank_set_no_test_needs_is_reaped_or_never_launched(
-    pytester, isolated_tmp, how, leftover_processes
+    pytester, isolated_tmp, how, leftover_processes, leftover_files
 ):
     pytester.makeconftest(RECORDING_CONFTEST)
     pytester.makepyfile(test_a_distributed=DISTRIBUTED, test_b_plain=PLAIN)
@@ -97,7 +110,7 @@ def test_a_rank_set_no_test_needs_is_reaped_or_never_launched(
     assert result.ret == 0
     assert elapsed < 60, elapsed  # not waiting for ranks that have nothing to run
     assert leftover_processes(pytester.path) == []
-    assert list(isolated_tmp.iterdir()) == []
+    assert leftover_files(isolated_tmp) == []
 
 
 ORDER_CONFTEST = """

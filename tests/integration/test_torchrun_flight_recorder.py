@@ -28,7 +28,7 @@ def test_after_the_hang(dist_env):
 
 
 def test_a_torchrun_hang_names_who_never_entered_which_collective(
-    pytester, leftover_processes, isolated_tmp, torchrun_pytest
+    pytester, leftover_processes, isolated_tmp, torchrun_pytest, leftover_files
 ):
     pytester.makepyfile(test_stuck=STUCK)
     logs = pytester.path / "logs"
@@ -65,4 +65,4 @@ def test_a_torchrun_hang_names_who_never_entered_which_collective(
     assert time.monotonic() - started < HANG_TIMEOUT_S + 60, text  # start-up, timeout, dumps
     assert leftover_processes(pytester.path) == []
     # the ranks removed their private temp trees at the session's end; torchrun's own stays
-    assert [p.name for p in isolated_tmp.iterdir() if not p.name.startswith("torchelastic_")] == []
+    assert leftover_files(isolated_tmp, ignore=("torchelastic_",)) == []
