@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 DEFAULT_WORLD_SIZE = 2
 
@@ -44,3 +45,14 @@ class DistributedSpec:
     #: where ``timeout_s`` came from, a source label of its chain (e.g. "--mfsdp-timeout"), shown
     #: when the test times out
     timeout_source: str = "default"
+    #: seconds without progress on any rank after which the test is reported hung before its
+    #: timeout (``--mfsdp-hang-after``; 0: off), and where that came from
+    hang_after_s: float = 60.0
+    hang_after_source: str = "default"
+
+    def to_json(self) -> dict[str, object]:
+        return {**asdict(self), "only_rerun": list(self.only_rerun)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DistributedSpec:
+        return cls(**{**data, "only_rerun": tuple(data.get("only_rerun", ()))})

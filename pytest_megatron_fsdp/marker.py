@@ -1,5 +1,4 @@
-"""``@pytest.mark.distributed(world_size=2, tp=1, pp=1, cp=1, timeout=None, reruns=None, only_rerun=None)``,
-parsed once.
+"""``@pytest.mark.distributed(...)`` (its arguments: ``options.MARKER_KEYWORDS``), parsed once.
 
 At collection every marked test gets a :class:`DistributedSpec` in its stash (``protocol.SPEC``),
 with its timeout and reruns looked up once through their options' chains (``options.value_of``;
@@ -9,44 +8,52 @@ that spec. A bad marker is a usage error naming the test, before any rank starts
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from . import options
-from .environment import DEFAULT_WORLD_SIZE, DistributedSpec
+from .environment import DistributedSpec
 from .wire import coexist
 from .wire.protocol import MARKER, SPEC
 
 MARKER_HELP = (
-    f"{MARKER}(world_size={DEFAULT_WORLD_SIZE}, tp=1, pp=1, cp=1, timeout=None, reruns=None, "
-    "only_rerun=None): run the test on world_size ranks (torchrun); tp/pp/cp are Megatron's "
+    f"{options.MARKER_SIGNATURE}: run the test on world_size ranks (torchrun); tp/pp/cp are Megatron's "
     "model-parallel sizes for the test; timeout in seconds; reruns: attempts after a failure, each in "
     "a fresh rank set (plain mode); only_rerun: the kinds of failure rerun (timeout, rank-death, failure)"
 )
 
 
-def _spec(
-    item: pytest.Item,
-    world_size: int = DEFAULT_WORLD_SIZE,
-    *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    timeout: float | None = None,
-    reruns: int | None = None,
-    only_rerun: str | list[str] | tuple[str, ...] | None = None,
-) -> DistributedSpec:
-    """The spec of ``item``, whose marker gave these arguments (a wrong name is pytest's TypeError);
-    ``timeout``, ``reruns`` and ``only_rerun`` are the first sources of their options' chains, which
-    read them from the marker."""
-    for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
+def _spec(item: pytest.Item, *args: Any, **kwargs: Any) -> DistributedSpec:
+    """The spec of ``item``, whose marker gave these arguments (:data:`options.MARKER_KEYWORDS`;
+    anything else is a TypeError, as a call with a wrong name would be); ``timeout``, ``reruns``
+    and ``only_rerun`` are the first sources of their options' chains, which read them from the
+    marker."""
+    names = list(options.MARKER_KEYWORDS)
+    if len(args) > 1:
+        raise TypeError(f"takes world_size as its only positional argument, {len(args)} were given")
+    unknown = [name for name in kwargs if name not in options.MARKER_KEYWORDS]
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    if args and "world_size" in kwargs:
+        raise TypeError("got multiple values for argument 'world_size'")
+    given = {**options.MARKER_KEYWORDS, **dict(zip(names, args, strict=False)), **kwargs}
+    for name in ("world_size", "tp", "pp", "cp"):
+        value = given[name]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"distributed marker: {name}={value!r} must be a positive integer")
+    if isinstance(given["reruns"], bool):
+        raise ValueError(f"distributed marker: reruns={given['reruns']!r} must be a whole number, 0 or more")
+    coexist.refuse_flaky_condition(item)
+    return resolve(item, given["world_size"], given["tp"], given["pp"], given["cp"])
+
+
+def resolve(item: pytest.Item, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> DistributedSpec:
+    """The test's settings, each looked up once through its option's chain and labelled with its
+    source: the one place they are resolved (a launched rank takes them from its parent's batch)."""
     config = item.config
     timeout_s = options.value_of(config, "timeout", item)
-    if isinstance(reruns, bool):
-        raise ValueError(f"distributed marker: reruns={reruns!r} must be a whole number, 0 or more")
-    coexist.refuse_flaky_condition(item)
-    kinds = options.value_of(config, "only-rerun", item).value
+    hang_after_s = options.value_of(config, "hang-after", item)
     return DistributedSpec(
         world_size,
         tp,
@@ -54,8 +61,10 @@ def _spec(
         cp,
         float(timeout_s.value),
         options.value_of(config, "reruns", item).value,
-        kinds,
+        options.value_of(config, "only-rerun", item).value,
         timeout_source=timeout_s.source,
+        hang_after_s=float(hang_after_s.value),
+        hang_after_source=hang_after_s.source,
     )
 
 
@@ -68,8 +77,7 @@ def parse(item: pytest.Item) -> DistributedSpec | None:
         return _spec(item, *marker.args, **marker.kwargs)
     except TypeError as exc:
         raise pytest.UsageError(
-            f"{item.nodeid}: bad @pytest.mark.{MARKER} arguments ({exc}); "
-            f"use {MARKER}(world_size=2, tp=1, pp=1, cp=1, timeout=None, reruns=None, only_rerun=None)"
+            f"{item.nodeid}: bad @pytest.mark.{MARKER} arguments ({exc}); use {options.MARKER_SIGNATURE}"
         ) from None
     except (ValueError, options.OptionError) as exc:
         raise pytest.UsageError(f"{item.nodeid}: {exc}") from None

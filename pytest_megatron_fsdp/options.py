@@ -21,6 +21,7 @@ from typing import Any, Literal, cast
 
 import pytest
 
+from .environment import DEFAULT_WORLD_SIZE
 from .fsdp.config import ConfigError, RunConfig, parse_value, starting_config, validate
 from .fsdp.presets import PRESETS
 from .wire import coexist
@@ -129,6 +130,21 @@ class _Own:
     def raw(self, config: pytest.Config, option: Option, item: pytest.Item | None) -> Any:
         """What this source gives (None: nothing)."""
         raise NotImplementedError
+
+
+#: the distributed marker's arguments, in order, with their defaults: its one declaration (the
+#: marker's help, its usage error and its parser, :mod:`.marker`, are made from it). ``timeout``,
+#: ``reruns`` and ``only_rerun`` are the first sources of their options' chains (:class:`MarkerKwarg`).
+MARKER_KEYWORDS: dict[str, Any] = {
+    "world_size": DEFAULT_WORLD_SIZE,
+    "tp": 1,
+    "pp": 1,
+    "cp": 1,
+    "timeout": None,
+    "reruns": None,
+    "only_rerun": None,
+}
+MARKER_SIGNATURE = f"{MARKER}({', '.join(f'{name}={value!r}' for name, value in MARKER_KEYWORDS.items())})"
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     values = options.session_values(config)
+    role = role_of(config).role
+    if role is Role.LAUNCHED_RANK:
+        return  # its tests' settings come resolved in its parent's batch (RankRunner.select_batch)
     # plain mode: a foreign suite's tests run in rank sets, as marked tests do (under torchrun they
-    # run on the session's own ranks, and a launched rank runs its parent's batch)
-    foreign = values.foreign_suite and role_of(config).role is Role.PARENT
+    # run on the session's own ranks)
+    foreign = values.foreign_suite and role is Role.PARENT
     # a bad marker is a usage error, before any rank work
     marker.stash_specs(items, values.foreign_world_size if foreign else None)
 

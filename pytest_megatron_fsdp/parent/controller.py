@@ -140,9 +140,7 @@ class Controller:
             and spec.world_size == world_size
         ]
         files = list(dict.fromkeys(str(i.path) for i in batch))
-        rank_set.assign(
-            [(i.nodeid, _hosted_spec(i).timeout_s) for i in batch], files, self._pytest_args(world_size)
-        )
+        rank_set.assign([(i.nodeid, _hosted_spec(i)) for i in batch], files, self._pytest_args(world_size))
         self.active[world_size] = rank_set
         self.remaining[world_size] = [i.nodeid for i in batch]
         return rank_set

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..environment import DistributedSpec
 from ..wire import rank_dir
 from ..wire.explain import OUTPUT_TAIL_CHARS, PostMortem, internal_error, log_excerpt, verdict_in
 from ..wire.protocol import (
@@ -94,7 +95,7 @@ class RankSet:
         pytest-xdist worker's ``CUDA_VISIBLE_DEVICES`` slice)."""
         self.world_size = world_size
         #: (node id, timeout seconds) of each test, in order (set by assign())
-        self.tests: list[tuple[str, float]] = []
+        self.tests: list[tuple[str, DistributedSpec]] = []
         self.log_dir = log_dir
         self.work_dir = Path(tempfile.mkdtemp(prefix="mfsdp-batch-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -142,8 +143,11 @@ class RankSet:
     def assigned(self) -> bool:
         return self._argv_path.exists()
 
-    def assign(self, tests: list[tuple[str, float]], files: list[str], pytest_args: list[str]) -> None:
-        """The batch: ``tests`` in order, collected from ``files``, with ``pytest_args`` (once)."""
+    def assign(
+        self, tests: list[tuple[str, DistributedSpec]], files: list[str], pytest_args: list[str]
+    ) -> None:
+        """The batch: ``tests`` in order with their resolved specs, collected from ``files``, with
+        ``pytest_args`` (once)."""
         if self.assigned:
             raise RuntimeError("this rank set already has its batch")
         self.tests = list(tests)

@@ -16,9 +16,10 @@ from typing import Any, Protocol
 
 import pytest
 
-from .. import options
+from .. import marker, options
 from ..emulation import cpu_mode
 from ..emulation.made_groups import MadeGroups
+from ..environment import DistributedSpec
 from ..foreign import bridge_plugin as foreign_bridge
 from ..foreign import gpu_only, gpu_only_skips
 from ..fsdp import versions
@@ -189,11 +190,12 @@ class RankPlugin(RolePlugin):
                 config, values.log_dir, "torchrun", chosen_by_parent=kind.log_dir_chosen_by_parent
             ),
             agreement_timeout_s=values.pg_timeout,
-            default_timeout=_timeout_without_the_marker,
+            unmarked_settings=functools.partial(
+                _settings_without_the_marker, world_size=role.torchrun.world_size
+            ),
             duties=kind.duties,
             distributed_logs=values.distributed_logs,
             private_temp=config.stash.get(RANK_TEMP, None),
-            hang_after_s=values.hang_after,
             release_test_groups=None
             if made is None
             else functools.partial(made.release_test_groups, _destroy_group),
@@ -350,10 +352,10 @@ class RankPlugin(RolePlugin):
             self._restore_signals()
 
 
-def _timeout_without_the_marker(item: pytest.Item) -> float:
+def _settings_without_the_marker(item: pytest.Item, world_size: int) -> DistributedSpec:
     """A test without the marker in a torchrun rank session: by the same precedence, without the
     distributed marker (pytest-timeout's marker, --mfsdp-timeout, pytest-timeout's options)."""
-    return float(options.value_of(item.config, "timeout", item).value)
+    return marker.resolve(item, world_size)
 
 
 def _needs_rank_session(session: pytest.Session) -> bool:

@@ -39,11 +39,13 @@ from typing import IO, Any, Literal, TextIO, cast
 
 import pytest
 
+from ..environment import DistributedSpec
 from ..wire import coexist, explain, flight_recorder, protocol, pytest_compat, rank_dir, warnings_relay
 from ..wire.explain import headlined_failure
 from ..wire.protocol import (
     BATCH_FILE_DEST,
     REPORT_FILE_DEST,
+    SPEC,
     TIMEOUT_EXIT_CODE,
     encode_event,
     read_batch,
@@ -115,30 +117,25 @@ class RankRunner:
         torchrun: TorchrunEnv,
         log_dir: Callable[[], Path],
         agreement_timeout_s: float,
-        default_timeout: Callable[[pytest.Item], float],
+        unmarked_settings: Callable[[pytest.Item], DistributedSpec],
         duties: RankDuties,
         distributed_logs: bool = False,
         private_temp: Path | None = None,
-        hang_after_s: float = 0.0,
         release_test_groups: Callable[[], int] | None = None,
     ) -> None:
-        """``default_timeout``: the timeout of a test neither the parent's batch nor its marker
-        gives one (a test without the marker in a torchrun rank session); ``hang_after_s``: seconds
-        without progress on any rank after which a test is hung (0: only its timeout ends it);
-        ``release_test_groups``: a foreign suite's (see :meth:`review_report`), what frees the
-        process groups the current test made, returning how many were alive."""
+        """``unmarked_settings``: the settings of a test neither the parent's batch nor its marker
+        gives (a test without the marker in a torchrun rank session); ``release_test_groups``: a
+        foreign suite's (see :meth:`review_report`), what frees the process groups the current test
+        made, returning how many were alive."""
         self.config = config
         self.torchrun = torchrun
         self.rank = torchrun.rank
         self._log_dir = log_dir
         #: seconds the ranks wait for each other's collection (the process-group timeout)
         self._agreement_timeout_s = agreement_timeout_s
-        self._default_timeout = default_timeout
-        self._hang_after_s = hang_after_s
+        self._unmarked_settings = unmarked_settings
         self.duties = duties
         self._report_file = config.getoption(REPORT_FILE_DEST)
-        #: the parent's resolved timeout per test (launched rank sets only)
-        self._batch_timeouts: dict[str, float] = {}
         self.events: IO[str] | None = None
         self._test_index = 0
         self._released = False
@@ -269,10 +266,12 @@ class RankRunner:
         if batch_file is None:
             return
         batch = read_batch(Path(batch_file))
-        self._batch_timeouts = dict(batch)
-        wanted = [nodeid for nodeid, _ in batch]
         by_id = {item.nodeid: item for item in items}
-        selected = [by_id[nodeid] for nodeid in wanted if nodeid in by_id]
+        selected = []
+        for nodeid, spec in batch:
+            if nodeid in by_id:
+                by_id[nodeid].stash[SPEC] = spec  # as the parent resolved it: not resolved again here
+                selected.append(by_id[nodeid])
         chosen = set(selected)
         deselected = [item for item in items if item not in chosen]
         if deselected:
@@ -312,12 +311,11 @@ class RankRunner:
 
     # -- running ------------------------------------------------------------------------------------
 
-    def timeout_for(self, item: pytest.Item) -> float:
-        """The parent's figure in a launched rank set, else the spec's (both resolved once)."""
-        if item.nodeid in self._batch_timeouts:
-            return self._batch_timeouts[item.nodeid]
+    def settings_for(self, item: pytest.Item) -> DistributedSpec:
+        """The test's settings, resolved once: the parent's in a launched rank set (its batch), the
+        marker's at collection in a torchrun rank session, else those of an unmarked test."""
         spec = spec_of(item)
-        return spec.timeout_s if spec is not None else self._default_timeout(item)
+        return spec if spec is not None else self._unmarked_settings(item)
 
     def times_its_tests(self) -> bool:
         """Whether the watchdog times every test here (a rank session runs), so pytest-timeout sets
@@ -371,7 +369,8 @@ class RankRunner:
         index = self._test_index
         self._test_index += 1
         self._reported = False
-        timeout = self.timeout_for(item)
+        settings = self.settings_for(item)
+        timeout = settings.timeout_s
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         self._log(rank_dir.start_line(item.nodeid, timeout))
         self._event(protocol.Started(nodeid=item.nodeid))
@@ -380,7 +379,7 @@ class RankRunner:
         # A rank that survives its timeouts watches the test alone: the outcome exchange after it has
         # a bound of its own. A launched rank ends at the timeout, exchange included (its parent
         # runs the rest of the batch in a fresh rank set).
-        watch = self._watchdog(item, timeout, index)
+        watch = self._watchdog(item, settings, index)
         around_exchange, around_test = (nullcontext(), watch) if survives else (watch, nullcontext())
         with around_exchange:
             relay: AbstractContextManager[list[warnings.WarningMessage]] = (
@@ -613,14 +612,15 @@ class RankRunner:
             )
 
     @contextmanager
-    def _watchdog(self, item: pytest.Item, timeout: float, index: int) -> Iterator[None]:
+    def _watchdog(self, item: pytest.Item, settings: DistributedSpec, index: int) -> Iterator[None]:
         nodeid = item.nodeid
+        timeout = settings.timeout_s
         done = threading.Event()
         started_ns = time.time_ns()
         started = time.monotonic()
 
         def expire() -> None:
-            verdict = self._await_verdict(done, index, started, timeout)
+            verdict = self._await_verdict(done, index, started, timeout, settings.hang_after_s)
             if verdict is None:
                 return
             expired_at = time.monotonic()
@@ -645,7 +645,7 @@ class RankRunner:
             faulthandler.cancel_dump_traceback_later()
 
     def _await_verdict(
-        self, done: threading.Event, index: int, started: float, timeout: float
+        self, done: threading.Event, index: int, started: float, timeout: float, hang_after_s: float
     ) -> protocol.Verdict | None:
         """Until test ``index`` (begun at monotonic ``started``) is done (None), hangs (no rank got
         anywhere for the no-progress bound, or a peer found that) or reaches its timeout: the
@@ -657,7 +657,7 @@ class RankRunner:
             quiet = beacon.quiet_for(started) if beacon is not None else None
             if beacon is not None and (declared := beacon.hang_declared(index)) is not None:
                 return declared
-            verdict = progress.decide(now - started, timeout, quiet, self._hang_after_s)
+            verdict = progress.decide(now - started, timeout, quiet, hang_after_s)
             if verdict is not None:
                 if beacon is not None and verdict.hung and verdict.before_timeout:
                     beacon.declare_hang(index, verdict)

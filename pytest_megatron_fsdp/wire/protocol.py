@@ -2,8 +2,9 @@
 
 * the parent starts ``torchrun ... -m pytest --mfsdp-report-file=<events> --mfsdp-batch-file=<batch>``;
   the two internal options mark a rank set launched this way (:func:`launched_by_parent`);
-* the batch file lists the tests to run, in order, one ``<timeout seconds>\\t<node id>`` per line:
-  the parent resolved each test's timeout once, and the ranks use that figure;
+* the batch file lists the tests to run, in order, one JSON object per line: the node id and the
+  test's :class:`~..environment.DistributedSpec` as the parent resolved it (world size, timeout,
+  hang bound, reruns, each with its source); the ranks use it as sent and resolve none of it again;
 * rank 0 appends events to the events file, one JSON object per line, each a small type below:
   :class:`Collected` (node ids), :class:`Started` (node id), :class:`Warnings` (node id, every
   rank's warnings of the test, merged: see :mod:`.warnings_relay`), :class:`Report` (a pytest
@@ -69,18 +70,15 @@ def spec_of(item: pytest.Item) -> DistributedSpec | None:
 # -- the batch file -------------------------------------------------------------------------------
 
 
-def write_batch(path: Path, tests: Iterable[tuple[str, float]]) -> None:
-    path.write_text("".join(f"{timeout!r}\t{nodeid}\n" for nodeid, timeout in tests))
+def write_batch(path: Path, tests: Iterable[tuple[str, DistributedSpec]]) -> None:
+    lines = (json.dumps({"nodeid": nodeid, "spec": spec.to_json()}) for nodeid, spec in tests)
+    path.write_text("".join(f"{line}\n" for line in lines))
 
 
-def read_batch(path: Path) -> list[tuple[str, float]]:
-    """(node id, timeout seconds) per test, in the parent's order."""
-    tests = []
-    for line in Path(path).read_text().splitlines():
-        if line:
-            timeout, _, nodeid = line.partition("\t")
-            tests.append((nodeid, float(timeout)))
-    return tests
+def read_batch(path: Path) -> list[tuple[str, DistributedSpec]]:
+    """(node id, the spec the parent resolved) per test, in the parent's order."""
+    entries = (json.loads(line) for line in Path(path).read_text().splitlines() if line)
+    return [(entry["nodeid"], DistributedSpec.from_json(entry["spec"])) for entry in entries]
 
 
 # -- events ---------------------------------------------------------------------------------------

@@ -367,3 +367,11 @@ def test_readme_front_door() -> None:
         "TORCH_SPEC=",
     ):
         assert needle in first_screen, f"{needle!r} is not in README.md's first 55 lines"
+
+
+def test_the_test_api_page_shows_the_markers_declared_signature() -> None:
+    """The distributed marker's arguments are declared once (options.MARKER_KEYWORDS); the page
+    that documents the marker shows that declaration, not a copy that can drift."""
+    from pytest_megatron_fsdp.options import MARKER_SIGNATURE
+
+    assert f"`@pytest.mark.{MARKER_SIGNATURE}`" in (DOCS / "test-api.md").read_text(encoding="utf-8")

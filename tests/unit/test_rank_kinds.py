@@ -180,3 +180,83 @@ def test_sigterm_interrupts_a_torchrun_rank_only_while_its_tests_run() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr)
     assert "survived" not in done.stdout
+
+
+SHIPPED_TESTS = """
+import pytest
+
+@pytest.mark.distributed(world_size=2, timeout=99)
+def test_shipped():
+    pass
+
+@pytest.mark.distributed(world_size=2, timeout=99)
+def test_not_in_the_batch():
+    pass
+"""
+
+
+def test_a_launched_rank_uses_the_settings_its_parent_shipped_and_resolves_none(pytester, monkeypatch):
+    """The parent resolves a test's settings once (spec, timeout, hang bound, reruns, with their
+    sources) and ships them in the batch; a launched rank takes them as sent. The rank's own sources
+    say otherwise here (the marker's timeout=99, MFSDP_TIMEOUT, MFSDP_HANG_AFTER), and any lookup
+    through an option's chain fails the test."""
+    from pytest_megatron_fsdp import options
+    from pytest_megatron_fsdp import plugin as entry
+    from pytest_megatron_fsdp.emulation import cpu_mode
+    from pytest_megatron_fsdp.environment import DistributedSpec
+    from pytest_megatron_fsdp.rank.runner import RankRunner
+
+    monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
+    monkeypatch.setattr(cpu_mode, "disable", lambda: None)
+    monkeypatch.setattr(RankRunner, "_quiet_terminal", lambda self, config: None)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MFSDP_TIMEOUT", "123")
+    monkeypatch.setenv("MFSDP_HANG_AFTER", "45")
+    path = pytester.makepyfile(test_shipped=SHIPPED_TESTS)
+    shipped = DistributedSpec(
+        world_size=2,
+        timeout_s=7.5,
+        reruns=1,
+        only_rerun=("timeout",),
+        timeout_source="the parent's --mfsdp-timeout",
+        hang_after_s=11.0,
+        hang_after_source="the parent's --mfsdp-hang-after",
+    )
+    protocol.write_batch(pytester.path / "batch.txt", [(f"{path.name}::test_shipped", shipped)])
+    config = pytester.parseconfigure(
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:terminal",
+        "--mfsdp-platform=cpu",
+        f"--mfsdp-log-dir={pytester.path}/logs",
+        f"--mfsdp-report-file={pytester.path}/events.jsonl",
+        f"--mfsdp-batch-file={pytester.path}/batch.txt",
+    )
+    plugin = config.pluginmanager.get_plugin(RankPlugin.NAME)
+    items, _ = pytester.inline_genitems(path)  # collected (by a plain session) as the rank collects them
+    for item in items:  # what the collecting session stashed: the rank must put the parent's there
+        if protocol.SPEC in item.stash:
+            del item.stash[protocol.SPEC]
+
+    def no_lookup(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a launched rank resolved an option itself: {args[1:2]}")
+
+    monkeypatch.setattr(options, "value_of", no_lookup)
+    entry.pytest_collection_modifyitems(config, items)
+    plugin.pytest_collection_modifyitems(config, items)
+    assert [item.name for item in items] == ["test_shipped"]
+    assert protocol.spec_of(items[0]) == shipped
+    assert plugin.runner.settings_for(items[0]) == shipped
+
+
+def test_the_batch_file_carries_every_setting_with_its_source(tmp_path):
+    from pytest_megatron_fsdp.environment import DistributedSpec
+
+    tests = [
+        ("a.py::test_x", DistributedSpec(4, tp=2, timeout_s=12.0, timeout_source="--mfsdp-timeout")),
+        ("a.py::test_y", DistributedSpec(2, reruns=2, only_rerun=("timeout", "failure"), hang_after_s=0.0)),
+    ]
+    protocol.write_batch(tmp_path / "batch.txt", tests)
+    assert protocol.read_batch(tmp_path / "batch.txt") == tests
