@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import pytest
 
@@ -25,6 +25,7 @@ from ..environment import DistributedSpec
 from ..wire import coexist, protocol, pytest_compat, warnings_relay
 from ..wire.explain import abnormal_exits, death_text, headlined_failure, note_attempts
 from ..wire.protocol import log_dir, spec_of
+from ..wire.reports import build_report
 from . import xdist_queue
 from .launcher import RankSet
 
@@ -399,17 +400,8 @@ class Controller:
         world_size = rank_set.world_size
         if self.active.get(world_size) is rank_set:
             self._close(world_size)  # the rest of the batch continues in a fresh rank set
-        return pytest.TestReport(
-            nodeid=item.nodeid,
-            location=item.location,
-            keywords={k: 1 for k in item.keywords},
-            outcome="failed",
-            longrepr=headlined_failure(item, reason),
-            when=cast(Literal["setup", "call", "teardown"], when),
-            sections=[],
-            duration=max(duration, 0.0),
-            user_properties=list(item.user_properties),
-            mfsdp_failure=kind,
+        return build_report(
+            item, when, "failed", headlined_failure(item, reason), duration=duration, mfsdp_failure=kind
         )
 
 

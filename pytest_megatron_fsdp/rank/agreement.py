@@ -15,6 +15,7 @@ import pytest
 
 from ..wire import rank_dir
 from ..wire.explain import headlined_failure
+from ..wire.reports import build_report
 
 _OUTCOME_RANK = {"passed": 0, "skipped": 1, "failed": 2}
 
@@ -59,16 +60,12 @@ def merge_reports(
                 phase = {**phase, **failed_calls}
                 worst = "failed"
         base = local_by_phase.get(when)
-        report = pytest.TestReport(
-            nodeid=item.nodeid,
-            location=item.location,
-            keywords={k: 1 for k in item.keywords},
-            outcome=worst,
-            longrepr=None,
-            when=when,
-            sections=list(base.sections) if base is not None else [],
+        report = build_report(
+            item,
+            when,
+            worst,
             duration=max(p["duration"] for p in phase.values()),
-            user_properties=list(item.user_properties),
+            sections=base.sections if base is not None else (),
         )
         if base is not None:
             # extra attributes (as pytest's report serialisation carries them): kept as they are

@@ -51,6 +51,7 @@ from ..wire.protocol import (
     read_batch,
     spec_of,
 )
+from ..wire.reports import build_report
 from ..wire.torchrun_env import TorchrunEnv
 from . import progress
 from .agreement import merge_reports, summarise
@@ -426,13 +427,8 @@ class RankRunner:
         """``item`` failed with ``message`` as this rank alone reports it (no agreement: the session
         cannot go on), through pytest's report hooks (the terminal, the JUnit file)."""
         for when, outcome in (("setup", "passed"), ("call", "failed"), ("teardown", "passed")):
-            report = pytest.TestReport(
-                nodeid=item.nodeid,
-                location=item.location,
-                keywords={k: 1 for k in item.keywords},
-                outcome=outcome,  # type: ignore[arg-type]
-                longrepr=headlined_failure(item, message) if outcome == "failed" else None,
-                when=when,  # type: ignore[arg-type]
+            report = build_report(
+                item, when, outcome, headlined_failure(item, message) if outcome == "failed" else None
             )
             item.ihook.pytest_runtest_logreport(report=report)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
@@ -484,14 +480,7 @@ class RankRunner:
                 ("setup", "skipped", (str(item.path), (lineno or 0) + 1, reason)),
                 ("teardown", "passed", None),
             ):
-                report = pytest.TestReport(
-                    nodeid=item.nodeid,
-                    location=item.location,
-                    keywords={k: 1 for k in item.keywords},
-                    outcome=outcome,  # type: ignore[arg-type]
-                    longrepr=longrepr,
-                    when=when,  # type: ignore[arg-type]
-                )
+                report = build_report(item, when, outcome, longrepr)
                 item.ihook.pytest_runtest_logreport(report=report)
             item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         self._not_run = [item.nodeid for item in later]
