@@ -275,7 +275,8 @@ OPTIONS: dict[str, Option] = {
         ),
         Option(
             "preset",
-            f"model preset: {', '.join(sorted(PRESETS))} (default: tiny on cpu, bridge-reference on cuda)",
+            "model preset (default: tiny on cpu, bridge-reference on cuda): "
+            + "; ".join(f"{name} ({PRESETS[name].description})" for name in sorted(PRESETS)),
             _choice(tuple(sorted(PRESETS))),
         ),
         Option(

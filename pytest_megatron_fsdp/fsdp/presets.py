@@ -63,7 +63,9 @@ class ModelPreset:
     """A GPT shape plus the training sizes that go with it."""
 
     name: str
-    description: str
+    #: what the shape does not say (whose model it is); the rest of :attr:`description` is made
+    #: from the fields
+    summary: str
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -97,6 +99,36 @@ class ModelPreset:
     #: the optimizer and learning-rate schedule
     recipe: TrainingRecipe = field(default_factory=TrainingRecipe)
 
+    @property
+    def description(self) -> str:
+        """The preset in one line, made from its fields (so it cannot drift from them)."""
+        shape = [
+            f"{self.num_layers} layers",
+            f"hidden {self.hidden_size}",
+            f"ffn {self.ffn_hidden_size}",
+            f"{self.num_attention_heads} heads",
+        ]
+        if self.num_query_groups != self.num_attention_heads:
+            shape.append(f"{self.num_query_groups} query groups")
+        shape += [f"vocab {self.vocab_size}", f"seq {self.seq_length}"]
+        if self.normalization != "LayerNorm":
+            shape.append(self.normalization)
+        if self.swiglu:
+            shape.append("SwiGLU")
+        if self.position_embedding_type == "rope":
+            shape.append("RoPE")
+        if self.untie_embeddings_and_output_weights:
+            shape.append("untied embeddings")
+        if self.hybrid_layer_pattern:
+            shape.append(f"HybridModel pattern {self.hybrid_layer_pattern}")
+        experts = self.transformer_overrides.get("num_moe_experts")
+        if experts:
+            shape.append(
+                f"MoE of {experts} experts, top-{self.transformer_overrides.get('moe_router_topk', 1)}"
+            )
+        shape.append("bf16" if self.bf16 else "fp32")
+        return f"{self.summary}: {', '.join(shape)}"
+
     def with_overrides(self, **changes: Any) -> ModelPreset:
         return replace(self, **changes)
 
@@ -109,7 +141,7 @@ class ModelPreset:
 #: the default on CPU ranks; the hybrid presets below are it as a HybridModel
 _TINY = ModelPreset(
     name="tiny",
-    description="2 layers, hidden 64, 4 heads, vocab 128, seq 32, fp32: trains in about a second on CPU",
+    summary="the CPU default, trains in about a second",
     num_layers=2,
     hidden_size=64,
     ffn_hidden_size=256,
@@ -129,7 +161,7 @@ _TINY = ModelPreset(
 _TINY_HYBRID = replace(
     _TINY,
     name="tiny-hybrid",
-    description="the tiny GPT as a HybridModel: pattern *-*- (attention, MLP, attention, MLP)",
+    summary="the tiny GPT as a HybridModel (attention, MLP, attention, MLP)",
     num_layers=4,
     hybrid_layer_pattern="*-*-",
 )
@@ -140,10 +172,7 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny-hybrid-moe": replace(
         _TINY_HYBRID,
         name="tiny-hybrid-moe",
-        description=(
-            "the tiny HybridModel with every layer kind built without CUDA kernels: pattern *-*E "
-            "(attention, MLP, attention, MoE of 4 experts, top-2, local experts)"
-        ),
+        summary="the tiny HybridModel with every layer kind built without CUDA kernels (local experts)",
         hybrid_layer_pattern="*-*E",
         # no biases, as MoE models are built: megatron-core's local experts (SequentialMLP) add the
         # expert bias in place onto RowParallelLinear's output, which at tensor-parallel size 1 is a
@@ -162,10 +191,7 @@ PRESETS: dict[str, ModelPreset] = {
     ),
     "bridge-reference": ModelPreset(
         name="bridge-reference",
-        description=(
-            "Megatron-Bridge's functional-test model: 2 layers, hidden 768, ffn 2688, 16 heads, "
-            "8 query groups, RMSNorm, SwiGLU, RoPE, seq 512, vocab 10000, bf16 (the GPU default)"
-        ),
+        summary="Megatron-Bridge's functional-test model (the GPU default)",
         num_layers=2,
         hidden_size=768,
         ffn_hidden_size=2688,

@@ -205,3 +205,17 @@ def test_the_tiny_recipe_keeps_a_constant_rate_without_clipping():
         0,
         0.0,
     )
+
+
+def test_a_presets_description_is_made_from_its_fields():
+    """Descriptions are generated: a preset changed in a field says so in its one line (and in
+    ``--mfsdp-preset``'s help), with no second copy of its shape to update."""
+    changed = dataclasses.replace(PRESETS["tiny"], hidden_size=96, num_query_groups=2, swiglu=True, bf16=True)
+    assert changed.description == (
+        "the CPU default, trains in about a second: 2 layers, hidden 96, ffn 256, 4 heads, 2 query groups, "
+        "vocab 128, seq 32, SwiGLU, bf16"
+    )
+    assert "MoE of 4 experts, top-2" in PRESETS["tiny-hybrid-moe"].description
+    from pytest_megatron_fsdp.options import OPTIONS
+
+    assert all(preset.description in OPTIONS["preset"].help for preset in PRESETS.values())
