@@ -127,14 +127,32 @@ class _NullEvent:
 _DEFAULT_STREAM = _NullStream()
 
 
-@contextlib.contextmanager
-def _stream_context(stream: Any = None) -> Iterator[Any]:
-    yield stream
+class _StreamContext:
+    """``torch.cuda.stream(s)``: a context that can be entered again and again, as torch's
+    ``StreamContext`` is (Megatron's grad buffer makes one and enters it once per bucket); a
+    generator-based context manager could be entered once only."""
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Any:
+        return self.stream
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
 
 
-@contextlib.contextmanager
-def _device_context(device: Any = None) -> Iterator[None]:
-    yield
+class _DeviceContext:
+    """``torch.cuda.device(d)``: re-enterable, as torch's own."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.idx = device
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
 
 
 def _lazy_call(callable: Callable[[], Any], **kwargs: Any) -> None:
@@ -188,8 +206,8 @@ def _cuda_attribute_replacements() -> dict[str, Any]:
         "Event": _NullEvent,
         "current_stream": lambda device=None: _DEFAULT_STREAM,
         "default_stream": lambda device=None: _DEFAULT_STREAM,
-        "stream": _stream_context,
-        "device": _device_context,
+        "stream": _StreamContext,
+        "device": _DeviceContext,
         "get_rng_state": _get_rng_state,
         "set_rng_state": _set_rng_state,
         "manual_seed": _manual_seed,

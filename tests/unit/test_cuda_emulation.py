@@ -318,3 +318,17 @@ def test_the_engine_called_directly_runs_hooks_under_the_emulation(emulation):
         (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True
     )
     assert seen == ["cpu"]
+
+
+def test_stream_and_device_contexts_can_be_entered_again(emulation):
+    """As torch's own: Megatron's grad buffer makes ``torch.cuda.stream(s)`` once and enters it for
+    every bucket (``param_and_grad_buffer.py``, more than one distributed-optimizer instance with
+    overlapped reduction); a single-use context failed the second time with
+    ``'_GeneratorContextManager' object has no attribute 'args'``."""
+    stream = torch.cuda.Stream()
+    stream_context, device_context = torch.cuda.stream(stream), torch.cuda.device(0)
+    for _ in range(3):
+        with stream_context as entered:
+            assert entered is stream
+        with device_context:
+            pass
