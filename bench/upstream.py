@@ -91,7 +91,13 @@ COLUMNS = (
     ("xfailed", "xfailed"),
     ("failed", "failed"),
     ("errors", "error"),
+    ("not run", "not-run"),
 )
+
+
+#: what the message of a test the session never ran says (its setup error; see the plugin's
+#: ``wire/explain.not_run``, ``not_run_after_interrupt``)
+NOT_RUN_MESSAGE = "not run: the session "
 
 
 class BadInput(Exception):
@@ -244,7 +250,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
 @dataclass(frozen=True)
 class TestResult:
     file: str
-    outcome: str  # passed | gpu-only | skipped | xfailed | failed | error
+    outcome: str  # passed | gpu-only | skipped | xfailed | failed | error | not-run
     reason: str | None
     time_s: float
 
@@ -281,7 +287,10 @@ def outcome_of(case: ET.Element) -> tuple[str, str | None]:
     children = {child.tag: child for child in case}
     for tag, outcome in (("failure", "failed"), ("error", "error")):
         if tag in children:
-            return outcome, children[tag].get("message")
+            message = children[tag].get("message")
+            if tag == "error" and message is not None and NOT_RUN_MESSAGE in message:
+                return "not-run", message  # the session ended before it: never a skip
+            return outcome, message
     skipped = children.get("skipped")
     if skipped is None:
         return "passed", None
@@ -642,7 +651,7 @@ def heading(result: RunResult, parsed: JunitResults) -> str:
         notes.append(result.loss if result.loss is not None else "no last-loss line logged")
     if parsed.unnamed:
         notes.append(f"{parsed.unnamed} testcase without a name (the test an interrupt cut short) left out")
-    failures = any(test.outcome in ("failed", "error") for test in parsed.tests.values())
+    failures = any(test.outcome in ("failed", "error", "not-run") for test in parsed.tests.values())
     if result.finished and result.status not in (0, 5) and not failures and not parsed.problem:
         notes.append("rank 0 reported no failure: another rank failed or the session broke (see the log)")
     if result.leftovers:
@@ -717,7 +726,7 @@ def clean(results: Sequence[tuple[RunResult, JunitResults]]) -> bool:
     return all(
         result.finished
         and not parsed.problem
-        and not any(test.outcome in ("failed", "error") for test in parsed.tests.values())
+        and not any(test.outcome in ("failed", "error", "not-run") for test in parsed.tests.values())
         and result.status in (0, 5)
         for result, parsed in results
     )

@@ -401,7 +401,12 @@ class Controller:
         if self.active.get(world_size) is rank_set:
             self._close(world_size)  # the rest of the batch continues in a fresh rank set
         return build_report(
-            item, when, "failed", headlined_failure(item, reason), duration=duration, mfsdp_failure=kind
+            item,
+            when,
+            "failed",
+            headlined_failure(item, reason),
+            duration=duration,
+            attributes={"mfsdp_failure": kind},
         )
 
 

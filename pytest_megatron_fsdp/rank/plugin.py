@@ -26,6 +26,7 @@ from ..fsdp import versions
 from ..reporting.summary import show_summary
 from ..wire import protocol
 from ..wire.platform import select_platform
+from ..wire.reports import not_run_status
 from ..wire.role import PLATFORM, PLUGINS, ProcessRole, Role, RolePlugin
 from ..wire.torchrun_env import TorchrunEnv
 from . import owned_temp
@@ -315,6 +316,10 @@ class RankPlugin(RolePlugin):
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.runner.log_agreed(report)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
+        return not_run_status(report)
 
     # -- the end ------------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ from ..wire.protocol import (
     read_batch,
     spec_of,
 )
-from ..wire.reports import build_report
+from ..wire.reports import NOT_RUN, build_report
 from ..wire.torchrun_env import TorchrunEnv
 from . import progress
 from .agreement import merge_reports, summarise
@@ -470,17 +470,19 @@ class RankRunner:
         return reports
 
     def _report_not_run(self, after: pytest.Item, reason: str) -> None:
-        """Each test after ``after`` is reported skipped with ``reason`` (the session ends here)."""
+        """Each test after ``after`` is reported not run, with ``reason`` (the session ends here): an
+        error in its setup (a JUnit ``error``, a failed session), never a skip, which would count
+        a test nobody ran as an accepted outcome; its terminal status is ``NOT RUN``
+        (:data:`NOT_RUN`)."""
         items = after.session.items
         later = items[items.index(after) + 1 :] if after in items else []
         for item in later:
             item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-            _path, lineno, _ = item.location
             for when, outcome, longrepr in (
-                ("setup", "skipped", (str(item.path), (lineno or 0) + 1, reason)),
+                ("setup", "failed", headlined_failure(item, reason)),
                 ("teardown", "passed", None),
             ):
-                report = build_report(item, when, outcome, longrepr)
+                report = build_report(item, when, outcome, longrepr, attributes={NOT_RUN: True})
                 item.ihook.pytest_runtest_logreport(report=report)
             item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         self._not_run = [item.nodeid for item in later]

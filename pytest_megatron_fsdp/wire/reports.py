@@ -7,10 +7,14 @@ Plain pytest: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, cast
 
 import pytest
+
+#: the attribute on the reports of a test the session never ran (a rank never came back, or a signal
+#: ended the session): its terminal status is ``NOT RUN``, its JUnit entry an error
+NOT_RUN = "mfsdp_not_run"
 
 Phase = Literal["setup", "call", "teardown"]
 Outcome = Literal["passed", "failed", "skipped"]
@@ -24,10 +28,10 @@ def build_report(
     *,
     duration: float = 0.0,
     sections: Iterable[tuple[str, str]] = (),
-    **extra: Any,
+    attributes: Mapping[str, Any] | None = None,
 ) -> pytest.TestReport:
     """``item``'s report of phase ``when``: its node id, location, keywords and user properties as
-    pytest gives them; ``extra``: attributes that ride on the report (pytest serialises them)."""
+    pytest gives them; ``attributes``: what rides on the report besides (pytest serialises them)."""
     return pytest.TestReport(
         nodeid=item.nodeid,
         location=item.location,
@@ -38,5 +42,12 @@ def build_report(
         sections=list(sections),
         duration=max(duration, 0.0),
         user_properties=list(item.user_properties),
-        **extra,
+        **(attributes or {}),
     )
+
+
+def not_run_status(report: pytest.TestReport) -> tuple[str, str, str] | None:
+    """The terminal status of a test not run (its own category in pytest's final line), else None."""
+    if getattr(report, NOT_RUN, False) and report.when == "setup":
+        return "not run", "N", "NOT RUN"
+    return None

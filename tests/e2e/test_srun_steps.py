@@ -63,7 +63,7 @@ def _pytest(*args: str) -> list[str]:
     return ["--", sys.executable, "-m", "pytest", "-rA", *args]  # rank logs in .pytest_cache
 
 
-def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes, srun_job_id):
+def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes, srun_job_id, leftover_files):
     """No option given: the first distributed test starts the plugin in each task (CPU ranks, the
     emulation), task 0 reports for both; Megatron-FSDP trains as under torchrun."""
     pytester.makepyfile(test_step=STEP_TESTS, test_training=TRAINING_TEST)
@@ -78,11 +78,13 @@ def test_two_tasks_on_one_node(pytester, isolated_tmp, leftover_processes, srun_
     assert "srun-sim: task 1: exit code 0" in out
     assert "megatron-fsdp: platform=cpu" in out
     assert "world_size=2" in out
-    assert os.listdir(isolated_tmp) == []
+    assert leftover_files(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
 
 
-def test_two_by_two_on_two_loopback_nodes(pytester, isolated_tmp, leftover_processes, srun_job_id):
+def test_two_by_two_on_two_loopback_nodes(
+    pytester, isolated_tmp, leftover_processes, srun_job_id, leftover_files
+):
     """Nodes 127.0.0.1 and 127.0.0.2 (``SLURM_STEP_NODELIST=127.0.0.[1-2]``), 2 tasks each: four
     ranks, local ranks 0 and 1 on each node, the store on the first node's address."""
     pytester.makepyfile(test_step=STEP_TESTS)
@@ -94,7 +96,7 @@ def test_two_by_two_on_two_loopback_nodes(pytester, isolated_tmp, leftover_proce
     assert "2 passed" in out, out
     assert "world_size=4" in out, out
     assert [f"srun-sim: task {t}: exit code 0" in out for t in range(4)] == [True] * 4, out
-    assert os.listdir(isolated_tmp) == []
+    assert leftover_files(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
 
 
@@ -118,7 +120,7 @@ def test_never_runs(dist_env):
 
 
 def test_a_task_killed_mid_test_ends_the_step_with_one_clear_report(
-    pytester, isolated_tmp, leftover_processes, srun_job_id
+    pytester, isolated_tmp, leftover_processes, srun_job_id, leftover_files
 ):
     """srun (without -K) waits for the other tasks: rank 0 must notice by itself that rank 1 is gone
     (no heartbeat), fail the test saying so, stop the session, and leave nothing behind: no process,
@@ -138,12 +140,12 @@ def test_a_task_killed_mid_test_ends_the_step_with_one_clear_report(
     assert "test_killed.py::test_killed_mid_test" in out
     assert "the session stops (every later test needs all ranks)" in out
     assert "test_never_runs" not in out.split("short test summary info")[-1]
-    assert os.listdir(isolated_tmp) == [], os.listdir(isolated_tmp)
+    assert leftover_files(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
 
 
 def test_a_task_that_never_runs_pytest_is_one_line_not_a_hang(
-    pytester, isolated_tmp, leftover_processes, srun_job_id
+    pytester, isolated_tmp, leftover_processes, srun_job_id, leftover_files
 ):
     """SLURM_STEP_NUM_TASKS=2 but task 1 runs something else: task 0 gives up at the rendezvous after
     --mfsdp-pg-timeout with one line naming the step."""
@@ -166,11 +168,13 @@ def test_a_task_that_never_runs_pytest_is_one_line_not_a_hang(
     assert "within 5 s (--mfsdp-pg-timeout)" in errors[0]
     assert "srun task 0 of 2" in errors[0]
     assert "every one of the step's 2 tasks must run pytest" in errors[0]
-    assert os.listdir(isolated_tmp) == []
+    assert leftover_files(isolated_tmp) == []
     assert leftover_processes(pytester.path) == []
 
 
-def test_a_step_that_never_uses_the_plugin_runs_each_task_as_without_it(pytester, isolated_tmp):
+def test_a_step_that_never_uses_the_plugin_runs_each_task_as_without_it(
+    pytester, isolated_tmp, leftover_files
+):
     """``srun -n2 pytest`` on a suite without distributed tests: two independent sessions, each
     printing its own report (inert until asked), no rendezvous, nothing in $TMPDIR."""
     pytester.makepyfile(
@@ -191,4 +195,4 @@ def test_task():
     assert any(line.startswith("1: ") and "TASK 1 RAN" in line for line in lines), out
     assert [line[:3] for line in lines if "1 passed" in line] == ["0: ", "1: "], out
     assert "megatron-fsdp:" not in out
-    assert os.listdir(isolated_tmp) == []
+    assert leftover_files(isolated_tmp) == []

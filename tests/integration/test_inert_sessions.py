@@ -176,7 +176,7 @@ def test_a_foreign_torchrun_suite_keeps_every_ranks_output(
 
 
 def test_a_torchrun_session_that_uses_the_plugin_needs_no_option(
-    pytester, isolated_tmp, leftover_processes, torchrun_pytest
+    pytester, isolated_tmp, leftover_processes, torchrun_pytest, leftover_files
 ):
     """No --mfsdp-* option, ini key or variable: the first distributed test collected starts the
     plugin (CPU emulation, rank session, rank 1's report into its log): one report, rank 0's."""
@@ -215,7 +215,7 @@ def test_all_reduce(dist_env):
     assert len(logs) == 1
     assert "test session starts" in logs[0].read_text()
     # the ranks' private temp trees are gone (torchrun's own torchelastic_* dir stays: it never removes it)
-    assert [n for n in os.listdir(isolated_tmp) if not n.startswith("torchelastic_")] == []
+    assert leftover_files(isolated_tmp, ignore=("torchelastic_",)) == []
     assert leftover_processes(pytester.path) == []
 
 

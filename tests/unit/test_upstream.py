@@ -33,6 +33,11 @@ TE_SKIP = "GPU-only: Transformer Engine"
 XFAIL = '<skipped type="pytest.xfail" message="upstream bug"/>'
 MODULE_SKIP = f"('{MFSDP}/test_te_module.py', 1, '{TE_SKIP}')"
 SETUP_ERROR = '<error message="failed on setup with &quot;E&quot;">tb</error>'
+#: a test after a rank that never came back, as a torchrun-mode rank 0 reports it: a setup error
+NOT_RUN = (
+    '<error message="failed on setup with &quot;not run: the session ended after '
+    f'{MFSDP}/test_b.py::test_hangs timed out on rank 1&quot;">not run</error>'
+)
 #: a JUnit file with every outcome once, a test reported twice and both kinds of a module's own entry
 JUNIT = "\n".join(
     [
@@ -54,6 +59,7 @@ JUNIT = "\n".join(
         case(f"{PKG}.test_a", "test_known", "test_a.py", 0.75, XFAIL),
         case(f"{PKG}.test_b", "test_setup", "test_b.py", 0.25, SETUP_ERROR),
         case(f"{PKG}.test_b", "test_setup", "test_b.py", 0.25, SETUP_ERROR),
+        case(f"{PKG}.test_b", "test_after_the_hang", "test_b.py", 0.0, NOT_RUN),
         case(
             "", f"{PKG}.test_te_module", "test_te_module.py", 0.0,
             f'<skipped message="collection skipped">{MODULE_SKIP}</skipped>',
@@ -84,6 +90,11 @@ def test_every_outcome_of_a_junit_file_by_node_id(parsed: upstream.JunitResults)
         f"{a}::test_8_gpus": (a, "skipped", "Requires 8 GPUs"),
         f"{a}::test_known": (a, "xfailed", "upstream bug"),
         f"{b}::test_setup": (b, "error", 'failed on setup with "E"'),  # reported twice, counted once
+        f"{b}::test_after_the_hang": (  # never a skip: a column of its own
+            b,
+            "not-run",
+            f'failed on setup with "not run: the session ended after {b}::test_hangs timed out on rank 1"',
+        ),
         f"{MFSDP}/test_te_module.py": (
             f"{MFSDP}/test_te_module.py",
             "gpu-only",
@@ -100,12 +111,15 @@ def test_the_per_file_counts_and_the_table(parsed: upstream.JunitResults) -> Non
         f"{MFSDP}/{name}.py" for name in ("test_a", "test_b", "test_te_module", "test_broken")
     ]
     assert files[f"{MFSDP}/test_a.py"] == {
-        "passed": 1, "gpu-only": 1, "skipped": 1, "xfailed": 1, "failed": 1, "error": 0, "time_s": 5.01,
+        "passed": 1, "gpu-only": 1, "skipped": 1, "xfailed": 1, "failed": 1, "error": 0, "not-run": 0,
+        "time_s": 5.01,
     }  # fmt: skip
+    assert files[f"{MFSDP}/test_b.py"]["not-run"] == 1
     lines = upstream.table(files)
-    assert lines[0] == "| file | passed | GPU-only skips | other skips | xfailed | failed | errors | time |"
-    assert lines[2] == f"| {MFSDP}/test_a.py | 1 | 1 | 1 | 1 | 1 | 0 | 5.0 s |"
-    assert lines[-1] == "| **total** | 1 | 2 | 1 | 1 | 1 | 2 | 5.3 s |"
+    header = "| file | passed | GPU-only skips | other skips | xfailed | failed | errors | not run | time |"
+    assert lines[0] == header
+    assert lines[2] == f"| {MFSDP}/test_a.py | 1 | 1 | 1 | 1 | 1 | 0 | 0 | 5.0 s |"
+    assert lines[-1] == "| **total** | 1 | 2 | 1 | 1 | 1 | 2 | 1 | 5.3 s |"
     assert len(lines) == 2 + 4 + 1
 
 
@@ -213,9 +227,9 @@ def test_the_report_says_which_run_did_not_finish_and_keeps_its_results(tmp_path
     runs = lines[lines.index("all runs:") + 2 :]
     assert runs[0].startswith("| run | passed |")
     assert runs[2:] == [
-        "| ws2 | 1 | 2 | 1 | 1 | 1 | 2 | 5.3 s |",
-        "| ws4 | 0 | 0 | 0 | 0 | 0 | 0 | 0.0 s |",
-        "| **total** | 1 | 2 | 1 | 1 | 1 | 2 | 5.3 s |",
+        "| ws2 | 1 | 2 | 1 | 1 | 1 | 2 | 1 | 5.3 s |",
+        "| ws4 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0.0 s |",
+        "| **total** | 1 | 2 | 1 | 1 | 1 | 2 | 1 | 5.3 s |",
     ]
     assert not upstream.clean([(_result(tmp_path, status=0), upstream.JunitResults()), (stopped, empty)])
 
@@ -441,7 +455,7 @@ def test_a_run_past_its_wall_limit_is_interrupted_and_its_junit_kept(tmp_path: P
     assert (results / "ws2.log").read_text() == "started\n"
     parsed = upstream.read_junit(result.junit)
     assert parsed.problem is None
-    assert len(parsed.tests) == 8
+    assert len(parsed.tests) == 9
     assert "DID NOT FINISH" in upstream.heading(result, parsed)
 
 
@@ -449,7 +463,7 @@ def test_the_test_an_interrupt_cut_short_is_left_out_and_said(tmp_path: Path) ->
     """pytest interrupted in a test writes a testcase with no name for it."""
     cut = JUNIT.replace("</testsuite>", '<testcase time="0.001"></testcase></testsuite>')
     parsed = upstream.read_junit(write(tmp_path / "ws2.xml", cut))
-    assert len(parsed.tests) == 8
+    assert len(parsed.tests) == 9
     assert parsed.unnamed == 1
     stopped = _result(tmp_path, status=None, stopped="wall limit 1 s reached")
     assert "; 1 testcase without a name (the test an interrupt cut short) left out" in upstream.heading(
@@ -569,8 +583,8 @@ def test_main_writes_the_junit_table_and_summary_per_run(tmp_path, checkout, mon
     ]  # fmt: skip
     out = capsys.readouterr().out
     assert (results / "table.md").read_text() in out
-    assert out.count("| **total** | 1 | 2 | 1 | 1 | 1 | 2 | 5.3 s |") == 2  # ws2's table, ws4's
-    assert "| **total** | 2 | 4 | 2 | 2 | 2 | 4 | 10.5 s |" in out
+    assert out.count("| **total** | 1 | 2 | 1 | 1 | 1 | 2 | 1 | 5.3 s |") == 2  # ws2's table, ws4's
+    assert "| **total** | 2 | 4 | 2 | 2 | 2 | 4 | 2 | 10.5 s |" in out
 
 
 def test_main_adds_the_bridge_run_with_its_loss_line(tmp_path, checkout, bridge, monkeypatch, capsys) -> None:
@@ -611,7 +625,7 @@ def test_main_adds_the_bridge_run_with_its_loss_line(tmp_path, checkout, bridge,
     assert heading.endswith(
         f"(wall limit 600 s), exit status 0; 0 deselected; {loss} (log: {results}/bridge.log)"
     )
-    assert "| bridge | 1 | 2 | 1 | 1 | 1 | 2 | 5.3 s |" in out
+    assert "| bridge | 1 | 2 | 1 | 1 | 1 | 2 | 1 | 5.3 s |" in out
 
 
 def bridge_loss_line(line: str) -> str:
@@ -646,7 +660,7 @@ def test_an_overrun_make_run_is_interrupted_as_ctrl_c_would_its_recipe_included(
     result = upstream.execute(run, command, results, wall_s=2.0, grace_s=10.0)
     assert result.stopped == "wall limit 2 s reached: interrupted (SIGINT), ended within 10 s"
     assert result.status is None
-    assert len(upstream.read_junit(result.junit).tests) == 8  # the recipe wrote its JUnit on SIGINT
+    assert len(upstream.read_junit(result.junit).tests) == 9  # the recipe wrote its JUnit on SIGINT
 
 
 def test_the_descendants_of_a_process_are_found_through_proc(tmp_path: Path) -> None:
