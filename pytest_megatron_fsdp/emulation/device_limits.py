@@ -16,6 +16,10 @@ nothing symmetric) or pass a check that cannot fail. Instead, each entry point b
   the plain emulation answers everyone;
 * a CUDA kernel trace: ``torch.profiler.profile(activities=[..., ProfilerActivity.CUDA])``; a
   profile that names no activities records the CPU's (what torch records without a GPU);
+* a CUDA C++ extension built at run time: ``torch.utils.cpp_extension.load_inline`` and ``load``
+  with CUDA (``with_cuda=True``, CUDA sources, ``.cu`` files), as megatron-core's NCCL allocator
+  builds one (a C++-only extension builds as usual): its kernels could not run on a CPU rank, and
+  the build would fail far from its cause, writing into the checkout;
 * Transformer Engine, where megatron-core stands it in (:class:`TransformerEngineStandIns`): the TE
   layer classes its extension module builds on a ``MagicMock`` when TE is missing raise
   ``ModuleNotFoundError`` for ``transformer_engine`` (a ``GPU-only: Transformer Engine`` skip)
@@ -34,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "CUDA_EXTENSION",
     "CUDA_GRAPHS",
     "IDLE_MEMORY_READERS",
     "KERNEL_TRACE",
@@ -50,6 +55,7 @@ CUDA_GRAPHS = "CUDA graphs"
 SYMMETRIC_MEMORY = "symmetric memory"
 MEMORY_ACCOUNTING = "CUDA memory accounting"
 KERNEL_TRACE = "CUDA kernel trace"
+CUDA_EXTENSION = "CUDA C++ extension build"
 
 
 class EmulatedDeviceLacks(RuntimeError):
@@ -137,6 +143,25 @@ def _profile_without_kernel_trace(original: type) -> type:
     return profile
 
 
+def _without_cuda_extensions(original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``torch.utils.cpp_extension.<name>``, refusing a build with CUDA (a C++-only one goes on)."""
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        if name == "load_inline":
+            cuda = kwargs.get("cuda_sources", args[2] if len(args) > 2 else None)
+        else:
+            sources = kwargs.get("sources", args[1] if len(args) > 1 else ())
+            cuda = any(
+                str(s).endswith((".cu", ".cuh")) for s in ([sources] if isinstance(sources, str) else sources)
+            )
+        if kwargs.get("with_cuda") or (kwargs.get("with_cuda") is None and cuda):
+            raise EmulatedDeviceLacks(CUDA_EXTENSION, f"torch.utils.cpp_extension.{name}(with CUDA)")
+        return original(*args, **kwargs)
+
+    build.__name__ = build.__qualname__ = name
+    return build
+
+
 #: megatron-core's Transformer Engine extension: without TE it sets ``te = MagicMock()`` and defines
 #: its layer classes on it (``class TEDotProductAttention(te.pytorch.DotProductAttention)``)
 TE_EXTENSION = "megatron.core.extensions.transformer_engine"
@@ -197,6 +222,7 @@ def apply(patch: Callable[[Any, str, Any], None]) -> None:
     import torch.distributed._symmetric_memory as symm_mem
     import torch.profiler
     import torch.profiler.profiler
+    import torch.utils.cpp_extension as cpp_extension
 
     patch(torch.cuda, "CUDAGraph", _NoCUDAGraph)
     patch(torch.cuda, "graph", _refusing(CUDA_GRAPHS, "torch.cuda.graph"))
@@ -208,3 +234,5 @@ def apply(patch: Callable[[Any, str, Any], None]) -> None:
     profile = _profile_without_kernel_trace(torch.profiler.profiler.profile)
     patch(torch.profiler, "profile", profile)
     patch(torch.profiler.profiler, "profile", profile)
+    for name in ("load_inline", "load"):
+        patch(cpp_extension, name, _without_cuda_extensions(getattr(cpp_extension, name), name))

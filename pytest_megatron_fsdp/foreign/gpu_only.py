@@ -52,6 +52,7 @@ CAUSES: tuple[GpuOnlyCause, ...] = (
     GpuOnlyCause("symmetric memory", raised=((_LACKS, "has no symmetric memory"),)),
     GpuOnlyCause("CUDA memory accounting", raised=((_LACKS, "has no CUDA memory accounting"),)),
     GpuOnlyCause("CUDA kernel trace (profiler)", raised=((_LACKS, "has no CUDA kernel trace"),)),
+    GpuOnlyCause("CUDA C++ extension build", raised=((_LACKS, "has no CUDA C++ extension build"),)),
     GpuOnlyCause(
         "CUDA device placement",
         # pytest's explanation of `assert tensor.device == <a CUDA device>`: on CPU ranks every

@@ -2,11 +2,13 @@
 EmulatedDeviceLacks naming its feature, which the GPU-only causes recognise; the library's
 heuristics still read an idle device; everything is undone."""
 
+import re
 import sys
 
 import pytest
 import torch
 import torch.distributed._symmetric_memory as symm_mem
+import torch.utils.cpp_extension
 from emulation_layers import foreign_layer, forget_megatron_rng
 from torch.profiler import ProfilerActivity
 
@@ -60,6 +62,16 @@ ASKS = {
         device_limits.KERNEL_TRACE,
         lambda: _profile_with([{ProfilerActivity.CUDA: []}]),
     ),
+    # megatron-core's NCCL allocator builds its extension so (nccl_allocator.py)
+    "load_inline(with_cuda=True)": (
+        device_limits.CUDA_EXTENSION,
+        lambda: torch.utils.cpp_extension.load_inline("x", "int f();", with_cuda=True),
+    ),
+    "load_inline(cuda_sources)": (
+        device_limits.CUDA_EXTENSION,
+        lambda: torch.utils.cpp_extension.load_inline("x", "", cuda_sources="__global__ void k() {}"),
+    ),
+    "load(.cu)": (device_limits.CUDA_EXTENSION, lambda: torch.utils.cpp_extension.load("x", ["k.cu"])),
 }
 
 
@@ -67,7 +79,7 @@ ASKS = {
 def test_each_gpu_only_entry_raises_naming_its_feature(foreign, entry):
     feature, ask = ASKS[entry]
     # looked up at call time: the lambdas above read the patched attributes
-    with pytest.raises(EmulatedDeviceLacks, match=f"has no {feature}") as raised:
+    with pytest.raises(EmulatedDeviceLacks, match=re.escape(f"has no {feature}")) as raised:
         ask()
     assert raised.value.feature == feature
     cause = gpu_only.cause_of(raised.value)
