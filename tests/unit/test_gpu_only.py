@@ -133,3 +133,49 @@ def test_what_the_emulated_device_lacks_by_the_errors_class_and_text(feature, ca
     assert found is not None
     assert found.name == cause
     assert gpu_only.cause_of(lacks(f"{feature} is fine")) is None  # the text must say it has none
+
+
+# as megatron-core's GPT layer specs bind it where Transformer Engine is missing
+MODULE_WITHOUT_TE = """
+try:
+    import transformer_engine
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+except ImportError:
+    TESpecProvider = None
+
+make_adapter = None
+
+def te_layer_spec():
+    return TESpecProvider()
+
+def other_none():
+    return make_adapter()
+"""
+
+
+def _raised_in(tmp_path, monkeypatch, function):
+    path = tmp_path / "layer_specs.py"
+    path.write_text(MODULE_WITHOUT_TE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    module = importlib.import_module("layer_specs")
+    with pytest.raises(TypeError) as raised:
+        getattr(module, function)()
+    return raised.value, path
+
+
+def test_calling_a_te_name_bound_to_none_without_te_is_gpu_only(tmp_path, monkeypatch):
+    """megatron-core binds some 15 TE names to None where TE is missing; calling one says only
+    "'NoneType' object is not callable": the call's name tells it apart."""
+    exc, path = _raised_in(tmp_path, monkeypatch, "te_layer_spec")
+    assert gpu_only.missing_te_call(exc) == f"TESpecProvider() at {path}:11"
+    assert gpu_only.cause_of(exc) is gpu_only.TRANSFORMER_ENGINE
+
+
+def test_another_none_called_stays_a_failure(tmp_path, monkeypatch):
+    """A None called for another reason (a bug, a mutation of the code under test) is no GPU-only
+    cause: only a TE name counts, and only where Transformer Engine is missing."""
+    exc, _ = _raised_in(tmp_path, monkeypatch, "other_none")
+    assert gpu_only.missing_te_call(exc) is None
+    assert gpu_only.cause_of(exc) is None
