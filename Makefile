@@ -230,7 +230,9 @@ docs: venv
 # passed as -m; default Megatron-LM's dev CI's, "not flaky_in_dev"; UPSTREAM_MARKERS= runs every test), then with
 # MEGATRON_BRIDGE one run of `make bridge-test` (its BRIDGE_TEST) in BRIDGE_VENV, whose megatron-core is the
 # Megatron-LM runs' (BRIDGE_MEGATRON_CORE overrides it); JUnit per run, a per-file table and summary.json in
-# UPSTREAM_RESULTS (default upstream-results/), each run under UPSTREAM_WALL seconds. The defaults are the
+# UPSTREAM_RESULTS (default upstream-results/), each run under UPSTREAM_WALL seconds. The checkout's own PEP 735
+# `test` dependency group (what its conftests import: Megatron-LM's needs click) is installed into the venv first,
+# its GPU-only packages left out, each said in one line (bench/upstream_deps.py). The defaults are the
 # script's (python -m bench.upstream --help). The input is checked with the stack's base Python first, so
 # that a wrong MEGATRON_LM or MEGATRON_BRIDGE stops in one line before a venv is built; both venvs are built
 # before the first run starts.
@@ -253,6 +255,7 @@ UPSTREAM_FLAGS = --megatron-lm='$(MEGATRON_LM)' --megatron-bridge='$(MEGATRON_BR
 upstream:
 	@$(or $(PYTHON),python3) -m bench.upstream --check $(UPSTREAM_FLAGS)
 	@$(MAKE) --no-print-directory venv MEGATRON_CORE='$(MEGATRON_CORE)' VENV='$(VENV)'
+	@$(PY) -m bench.upstream_deps --checkout='$(MEGATRON_LM)'
 	$(if $(strip $(MEGATRON_BRIDGE)),@$(MAKE) --no-print-directory venv STACK=bridge MEGATRON_BRIDGE='$(MEGATRON_BRIDGE)' \
 		MEGATRON_CORE='$(BRIDGE_MEGATRON_CORE)' VENV='$(BRIDGE_VENV)')
 	$(SCRATCH) $(PY) -m bench.upstream $(UPSTREAM_FLAGS)
