@@ -10,7 +10,7 @@
   rank's warnings of the test, merged: see :mod:`.warnings_relay`), :class:`Report` (a pytest
   report, serialised by pytest's own hook; per-test data such as training-run records rides on it),
   :class:`Finished` (node id);
-* a rank ended by its watchdog writes :data:`TIMEOUT_BANNER` into its log and exits with
+* a rank ended by its watchdog writes :data:`.rank_dir.TIMEOUT_BANNER` into its log and exits with
   :data:`TIMEOUT_EXIT_CODE`.
 
 Plain data and pytest only: no torch, nothing from the Megatron-FSDP domain.
