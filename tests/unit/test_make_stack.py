@@ -105,7 +105,10 @@ def test_make_upstream_runs_the_checkouts_tests_against_its_own_megatron_core(tm
     )
     check = plan.index(f"python3 -m bench.upstream --check --megatron-lm='{checkout}/'")
     assert check < plan.index(".venv-newest-upstream/.installed")
-    assert f".venv-newest-upstream/bin/python -m bench.upstream --megatron-lm='{checkout}/'" in plan
+    run = plan.index(f".venv-newest-upstream/bin/python -m bench.upstream --megatron-lm='{checkout}/'")
+    # the checkout's own test group goes into the venv after it is built, before the runs
+    deps = plan.index(f".venv-newest-upstream/bin/python -m bench.upstream_deps --checkout='{checkout}/'")
+    assert plan.index(".venv-newest-upstream/.installed") < deps < run
 
 
 def test_make_upstream_keeps_a_given_venv_and_megatron_core(tmp_path, checkout):
@@ -213,7 +216,7 @@ def test_make_upstream_with_megatron_bridge_builds_its_venv_first_on_the_same_me
     bridge_spec = plan.index(f"> {tmp_path / 'bv'}/.installed")
     assert f"megatron-core=-e {checkout} " in plan[plan.rindex("echo '", 0, bridge_spec) : bridge_spec]
     assert f"megatron-bridge={bridge_checkout} " in plan[plan.rindex("echo '", 0, bridge_spec) : bridge_spec]
-    run = plan.index(".venv-newest-upstream/bin/python -m bench.upstream")
+    run = plan.index(".venv-newest-upstream/bin/python -m bench.upstream --")
     assert plan.index(".venv-newest-upstream/.installed") < bridge_spec < run
     flags = plan[run:].splitlines()[0]
     for flag in (
@@ -235,5 +238,5 @@ def test_make_upstream_with_megatron_bridge_builds_its_venv_first_on_the_same_me
 )
 def test_upstream_markers_given_even_empty_reach_the_runs(tmp_path, checkout, assignment, flag):
     plan = _upstream_plan(tmp_path, "STACK=newest", f"MEGATRON_LM={checkout}", assignment)
-    run = plan.index(".venv-newest-upstream/bin/python -m bench.upstream")
+    run = plan.index(".venv-newest-upstream/bin/python -m bench.upstream --")
     assert flag in plan[run:].splitlines()[0]
