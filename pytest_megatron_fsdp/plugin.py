@@ -1,9 +1,10 @@
 """pytest entry point (``pytest11``): the hooks every role shares, and the role's one plugin.
 
 The role this process plays (plain-mode parent, launched rank, torchrun-mode rank: see
-:mod:`.roles`) is decided once, before any conftest is loaded; the role's class prepares the
-process then, and its one plugin object is registered at configure. No hook here asks which
-side it is on.
+:mod:`.wire.role`) is decided once, before any conftest is loaded; the role's class prepares the
+process then (the parent's is :mod:`.parent.plugin`'s, a rank's :mod:`.rank.plugin`'s), and its
+one plugin object is registered at configure. No hook here asks which side it is on, but where a
+launched rank takes its tests' settings from its parent's batch.
 
 Kept light on purpose: loading the plugin imports neither torch nor megatron. They load only
 where a collected test needs them.

@@ -72,7 +72,7 @@ class _ReleasedBlocks:
 
 def apply(patch: Callable[[Any, str, Any], None]) -> None:
     """Set the block-reusing ``resize_`` with ``patch(owner, name, value)`` (a
-    :class:`.cuda_emulation.PatchSet`'s, which undoes it)."""
+    :class:`.cuda.PatchSet`'s, which undoes it)."""
     released = _ReleasedBlocks(torch.UntypedStorage.resize_)
 
     def resize_(self: Any, size: int) -> Any:

@@ -1,7 +1,7 @@
 """CPU ranks for Megatron-FSDP: the CUDA-on-CPU emulation and the one Megatron log line it causes.
 
 A CPU rank turns both on before any conftest or test module imports megatron, and off at its end.
-The emulation itself (:mod:`.emulation.cuda`) patches torch only; what is Megatron's here
+The emulation itself (:mod:`.cuda`) patches torch only; what is Megatron's here
 is the logger names and the message the emulation makes Megatron-FSDP log.
 """
 
@@ -50,7 +50,7 @@ def enable() -> None:
 
 def enable_foreign_suite(local_world_size: int, local_rank: int, pg_timeout_s: float) -> None:
     """Over the emulation (:func:`enable` first), what a suite written for GPUs needs besides
-    (:mod:`.emulation.foreign`): one emulated device per local rank, NCCL groups on gloo."""
+    (:mod:`.foreign`): one emulated device per local rank, NCCL groups on gloo."""
     from . import foreign as foreign_emulation
 
     foreign_emulation.enable(local_world_size, local_rank, pg_timeout_s)

@@ -217,7 +217,7 @@ class TransformerEngineStandIns:
 
 
 def apply(patch: Callable[[Any, str, Any], None]) -> None:
-    """Set each stand-in with ``patch(owner, name, value)`` (a :class:`.cuda_emulation.PatchSet`'s,
+    """Set each stand-in with ``patch(owner, name, value)`` (a :class:`.cuda.PatchSet`'s,
     which undoes them)."""
     import torch.distributed._symmetric_memory as symm_mem
     import torch.profiler

@@ -1,6 +1,6 @@
 """What a test suite written for GPUs needs beyond the CUDA-on-CPU emulation to run on CPU ranks.
 
-The emulation (:mod:`.cuda_emulation`) gives the CUDA entry points Megatron-FSDP's own code uses
+The emulation (:mod:`.cuda`) gives the CUDA entry points Megatron-FSDP's own code uses
 CPU meanings, and keeps ``torch.cuda.is_available()`` honest (``False``): the plugin's fixtures know
 they run on CPU ranks. A suite that knows nothing of the plugin (Megatron-LM's own unit tests)
 asks for NCCL, one device per local rank and a CUDA device by name, and picks the CPU where

@@ -3,7 +3,7 @@
 Megatron-LM's unit tests make many process groups and free few (Megatron's model-parallel groups,
 one group per ``init_device_mesh``): every gloo group holds threads and sockets of its own until it
 is destroyed and nothing references it. In foreign-suite mode the patched ``init_process_group`` and
-``new_group`` (:mod:`.foreign_emulation`) record each group they make here, and the rank session
+``new_group`` (:mod:`.foreign`) record each group they make here, and the rank session
 destroys those still alive once their owner is over, on every rank alike, after the test's outcome
 is agreed:
 

@@ -7,7 +7,7 @@ else devices ``0..n-1``), each slice as large as the biggest world size the sess
 its rank sets are launched with ``CUDA_VISIBLE_DEVICES`` set to that slice. Every worker collects
 the same tests, so all compute the same partition without talking to each other.
 
-Plain data and pytest only: no torch here (the device count comes from :mod:`.platform`).
+Plain data and pytest only: no torch here (the device count comes from :mod:`..wire.platform`).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def torchrun_command(nproc_per_node: int, *args: str, rendezvous: Rendezvous | N
 class RankSet:
     """``torchrun --standalone --nproc_per_node=N`` ranks that run pytest on a batch, and what they report.
 
-    Launched before its batch is known (:mod:`.rank_entry`: the ranks import torch meanwhile), then
+    Launched before its batch is known (:mod:`..rank.entry`: the ranks import torch meanwhile), then
     given the batch with :meth:`assign`; until then nothing runs in it but that import.
     """
 

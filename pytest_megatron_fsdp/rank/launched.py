@@ -19,7 +19,7 @@ from .runner import RankDuties
 
 @dataclass(frozen=True)
 class LaunchedRank:
-    """A rank of a set the parent launched (a :class:`.ranks.RankKind`): the parent asked for the
+    """A rank of a set the parent launched (a :class:`.plugin.RankKind`): the parent asked for the
     plugin, chose the log dir and shows and writes everything; the batch's working dir, which the
     parent removes even if the rank set is killed, holds the rank's temp dirs."""
 

@@ -1,6 +1,6 @@
 """The one plugin of a rank, of either kind: a rank of a set the parent launched
-(:mod:`.launched_rank`) or of a torchrun session or srun step the user started
-(:mod:`.torchrun_rank`). It holds the rank's harness (a :class:`..rank.runner.RankRunner`) and
+(:mod:`.launched`) or of a torchrun session or srun step the user started
+(:mod:`.torchrun`). It holds the rank's harness (a :class:`.runner.RankRunner`) and
 its kind (a :class:`RankKind`: what differs between the two, each kind's module defining its own),
 and owns every pytest hook of a rank: the platform, the rank session, the hooks around the runner."""
 
@@ -43,7 +43,7 @@ RUN_TEMP = pytest.StashKey[Path]()
 
 class RankKind(Protocol):
     """What differs between the kinds of rank: the rank's plugin holds one. Three methods run first
-    in a :class:`.deciding.RolePlugin` stage of the plugin and have their say on the rest of it:
+    in a :class:`..wire.role.RolePlugin` stage of the plugin and have their say on the rest of it:
     :meth:`prepare` and :meth:`before_configure` in the stages of those names, :meth:`configure`
     in ``create``."""
 
@@ -102,7 +102,7 @@ def register(role: Role, kind: RankKind) -> None:
 
 class RankPlugin(RolePlugin):
     """A rank's plugin, of either kind: the platform, the rank session, and the pytest hooks around
-    the rank's :class:`..rank.runner.RankRunner`, which it holds with its :class:`RankKind`."""
+    the rank's :class:`.runner.RankRunner`, which it holds with its :class:`RankKind`."""
 
     NAME = "mfsdp-rank"
 

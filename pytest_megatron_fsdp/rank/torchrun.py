@@ -29,7 +29,7 @@ _AWAITING = pytest.StashKey[bool]()
 @dataclass(frozen=True)
 class TorchrunRank:
     """A rank of a torchrun session the user started, or of an srun step (a
-    :class:`.ranks.RankKind`): rank 0 reports to the terminal; a temp tree of its own holds what
+    :class:`.plugin.RankKind`): rank 0 reports to the terminal; a temp tree of its own holds what
     would stay behind in ``$TMPDIR``. Inert until asked: where no option of the plugin is given, it
     starts only when a test that uses it is collected (:class:`AwaitingUse`)."""
 

@@ -1,8 +1,9 @@
 """Why a rank set ended, in words: the post-mortem data (:class:`PostMortem`, read once from a rank
-set's logs and torchrun's output by :meth:`.launcher.RankSet.post_mortem`) and every text made from
-it or about a test's attempts: deaths and timeouts, exits, abnormal ends of a batch, reruns, log
-excerpts. Kept apart from control (launching, watching: :mod:`.launcher`, :mod:`.controller`), so
-that each failure wording has one home; many tests assert on it byte for byte.
+set's logs and torchrun's output by :meth:`..parent.launcher.RankSet.post_mortem`) and every text
+made from it or about a test's attempts: deaths and timeouts, exits, abnormal ends of a batch,
+reruns, log excerpts. Kept apart from control (launching, watching: :mod:`..parent.launcher`,
+:mod:`..parent.controller`), so that each failure wording has one home; many tests assert on it
+byte for byte.
 """
 
 from __future__ import annotations

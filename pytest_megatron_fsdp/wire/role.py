@@ -109,5 +109,5 @@ class RolePlugin:
         """Called once the plugin object is registered."""
 
 
-#: each role's plugin class, filled in by the role's module (the package imports every one)
+#: each role's plugin class, filled in by the role's module (the entry module imports every one)
 PLUGINS: dict[Role, type[RolePlugin]] = {}

@@ -26,7 +26,7 @@ torchrun's). ``srun --ntasks=1 pytest`` and ``pytest`` in a batch script (``#SBA
 --ntasks=8`` included) are plain sessions, which launch their own rank sets.
 
 Plain string parsing, no ``scontrol`` and no torch: :func:`step_of` is called where the role is
-decided (``roles.decide``), and only there.
+decided (``wire.role.decide``), and only there.
 """
 
 from __future__ import annotations
