@@ -80,6 +80,11 @@ RECOVERY_GRACE_S = 20.0
 #: main thread not being back in Python by then: a rank stuck outside Python for good would hold
 #: its peers in their collectives with it until the process-group timeout.
 RELEASE_AFTER_S = 2.0
+#: How long a rank whose foreign test failed outside a collective waits for its peers to be done
+#: with that test before it closes the default group's connections under them (they may wait in a
+#: collective of it this rank never enters): well inside the watchdog's no-progress bound, long
+#: enough for peers on a loaded machine to finish the test's own work.
+PEERS_IN_THE_TEST_WAIT_S = 15.0
 #: After a signal that ends the session (SIGTERM: a CI cancel), how long the main thread has to take
 #: it in Python before the rank releases its process group, and then as long again before the rank
 #: reports the session from another thread and ends: torchrun SIGKILLs its ranks 30 s after its
@@ -162,6 +167,9 @@ class RankRunner:
         #: reported (at unconfigure), so that its end cannot stop rank 0 first
         self._stuck_peer_session: RankSession | None = None
         self._release_test_groups = release_test_groups
+        #: a foreign suite's test failed on this rank outside a collective: before the outcomes are
+        #: exchanged, peers still in the test are looked for (see _exchange_outcomes)
+        self._failed_outside_a_collective = False
 
     def open_log(self, config: pytest.Config) -> None:
         """The rank's log, fault handlers and event stream; its terminal report to the log where
@@ -587,6 +595,7 @@ class RankRunner:
                 if report.failed:
                     freed = self._release_test_groups()
                     self._log(f"{item.nodeid}: released the {freed} process groups the test made")
+                    self._failed_outside_a_collective = True
                 return report
             # Peers may be waiting in a collective this rank will never enter: let them fail now
             # rather than wait out the process-group timeout. The group is rebuilt after the test.
@@ -837,6 +846,9 @@ class RankRunner:
         """Exchange every rank's phase outcomes (and warnings) through the store; return the agreed
         reports (the warnings, merged, go to ``self._test_warnings``)."""
         mine = {r.when: summarise(r) for r in reports}
+        if self._failed_outside_a_collective:
+            self._failed_outside_a_collective = False
+            self._bring_back_peers_in_the_default_group(item, index, rank_session, deadline)
         # a test that destroyed the session's default group (or replaced it): every rank renews it
         released = self._released or not rank_session.holds_default_group()
         self._released = False
@@ -883,6 +895,28 @@ class RankRunner:
             self._log(f"process group rebuilt after {item.nodeid} (generation {rank_session.generation})")
         log_dir = self.log_path.parent
         return merge_reports(item, reports, per_rank, self.rank, log_dir)
+
+    def _bring_back_peers_in_the_default_group(
+        self, item: pytest.Item, index: int, rank_session: RankSession, deadline: float
+    ) -> None:
+        """A foreign test failed here outside a collective (its own groups are freed already):
+        peers still in the test :data:`PEERS_IN_THE_TEST_WAIT_S` later may wait in a collective of
+        the default group this rank never enters (Megatron-LM's tests end with
+        ``Utils.destroy_model_parallel()``, a barrier, after their asserts). Closing the default
+        group's connections brings them back, the test fails alone and the next one runs; every
+        rank renews the default group after it (decided before this rank's outcome is posted, so
+        every rank reads the same flag). Peers that are all accounted for (passed, or failed as
+        this rank did) keep every group: a class-scoped fixture's group outlives the failure."""
+        wait_s = max(min(PEERS_IN_THE_TEST_WAIT_S, deadline - time.monotonic()), 0.0)
+        still = rank_session.peers_still_in_the_test(f"test/{index}", wait_s)
+        if still:
+            rank_session.abort_default_group()
+            self._released = True
+            names = ", ".join(map(str, still))
+            self._log(
+                f"{item.nodeid}: rank{'s' if len(still) > 1 else ''} {names} still in the test "
+                f"{wait_s:g} s after it failed here: closed the default group's connections"
+            )
 
 
 def _raise(exc: BaseException) -> None:

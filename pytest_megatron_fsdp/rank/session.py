@@ -309,6 +309,41 @@ class RankSession:
                     self.store.set(f"released/{self.generation}", str(self.env.rank))
                 dist.destroy_process_group()
 
+    def peers_still_in_the_test(self, prefix: str, wait_s: float) -> list[int]:
+        """After this rank failed a test outside a collective: the peers still in that test after
+        ``wait_s`` (neither their outcome under ``<prefix>/<rank>`` in the store nor, like this rank,
+        a failure of their own under ``<prefix>/failing/<rank>``), in rank order; [] as soon as
+        every peer is accounted for. A peer still in the test may wait in a collective of the
+        default group this rank never enters (upstream's tests end with a barrier after their
+        asserts): :meth:`abort_default_group` brings it back."""
+        self.store.set(f"{prefix}/failing/{self.env.rank}", "1")
+        peers = [rank for rank in range(self.env.world_size) if rank != self.env.rank]
+        until = time.monotonic() + wait_s
+        while True:
+            still = [
+                r
+                for r in peers
+                if not self.store.check([f"{prefix}/{r}"]) and not self.store.check([f"{prefix}/failing/{r}"])
+            ]
+            if not still or time.monotonic() >= until:
+                return still
+            time.sleep(0.1)
+
+    def abort_default_group(self) -> None:
+        """Close the default group's connections on this rank, keeping every other group: a peer
+        blocked in one of the default group's collectives fails at once ("Connection closed by
+        peer"), where destroying the group would not end its wait. The peers learn of it as of a
+        release (:meth:`collectives_released`); the caller has the group renewed after the test."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        with self._release_lock:
+            if not dist.is_initialized():
+                return
+            with contextlib.suppress(Exception):  # a store that is gone: the peers are gone too
+                self.store.set(f"released/{self.generation}", str(self.env.rank))
+            distributed_c10d._abort_process_group(dist.group.WORLD)
+
     def collectives_released(self) -> bool:
         """Whether a failure released this process group (on this rank, or on another one, as told
         through the store): a collective now fails at once or never completes, until the group is

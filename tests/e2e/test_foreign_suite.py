@@ -190,6 +190,17 @@ def test_rank1_fails_while_rank0_waits_on_a_group_the_test_made():
         note("waited", f"{time.monotonic() - started:.1f}")
 
 
+def test_rank1_fails_while_rank0_goes_on_to_a_default_group_barrier():
+    # as Megatron-LM's tests end: asserts, then Utils.destroy_model_parallel()'s barrier; here the
+    # fixture's teardown barrier is the one rank 1 never enters
+    if dist.get_rank() == 1:
+        raise AssertionError("rank 1 found a wrong offset")
+    try:
+        dist.barrier()
+    except RuntimeError:  # as Utils.destroy_model_parallel, which swallows its barrier's error
+        pass
+
+
 def test_the_next_test_runs_with_every_rank():
     group = dist.new_group(backend="nccl")
     tensor = torch.ones(2, device="cuda")
@@ -290,10 +301,11 @@ def test_each_test_has_one_outcome_on_every_rank(agreeing):
     }
     assert outcomes == {
         "test_agreeing.py::test_rank1_fails_while_rank0_waits_on_a_group_the_test_made",
+        "test_agreeing.py::test_rank1_fails_while_rank0_goes_on_to_a_default_group_barrier",
         "test_agreeing.py::TestAClassScopedGroup::test_rank1_fails_outside_a_collective",
         "test_agreeing.py::test_rank1_sleeps_past_its_timeout_while_rank0_waits_on_the_default_group",
     }, agreeing.out[-3000:]
-    agreeing.result.assert_outcomes(failed=3, passed=13)
+    agreeing.result.assert_outcomes(failed=4, passed=13)
     # rank 0 passed the class test on its own: the agreed failure is rank 1's, with its own text
     assert "failed on rank 1 (passed on 0)" in agreeing.out
     assert "AssertionError: rank 1 disagrees" in agreeing.out
@@ -306,6 +318,18 @@ def test_a_failure_on_one_rank_releases_the_peer_waiting_on_a_group_the_test_mad
     section = agreeing.out.split("test_rank1_fails_while_rank0_waits_on_a_group_the_test_made ___")[1]
     assert "failed on ranks 0, 1" in section.split("\n", 2)[1], section[:300]
     assert "AssertionError: rank 1 found a wrong value" in section.split("\n_____")[0]
+
+
+def test_a_failure_outside_a_collective_frees_a_peer_left_in_a_default_group_collective(agreeing):
+    # rank 0 passed the test's body and waits in the fixture's teardown barrier, which rank 1 (done
+    # with its teardown) never enters: rank 1 closes the default group's connections under it, the
+    # test fails alone (rank 1's failure, rank 0's teardown echo of it counted as done), and the
+    # session goes on in a renewed default group
+    name = "test_rank1_fails_while_rank0_goes_on_to_a_default_group_barrier"
+    section = agreeing.out.split(f"{name} ___")[1].split("\n_____")[0]
+    assert "failed on rank 1 (passed on 0)" in section.split("\n", 2)[1], section[:300]
+    assert "AssertionError: rank 1 found a wrong offset" in section
+    assert "PASSED test_agreeing.py::test_the_next_test_runs_with_every_rank" in agreeing.out.splitlines()
 
 
 def test_groups_nobody_frees_are_freed_after_their_test(agreeing):
