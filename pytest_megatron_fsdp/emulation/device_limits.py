@@ -9,7 +9,12 @@ nothing symmetric) or pass a check that cannot fail. Instead, each entry point b
 * CUDA graphs: ``torch.cuda.CUDAGraph()``, ``torch.cuda.graph(...)``,
   ``torch.cuda.make_graphed_callables``;
 * symmetric memory: ``torch.distributed._symmetric_memory``'s ``get_mem_pool``, ``empty`` and
-  ``rendezvous`` (its ``is_symm_mem_tensor`` answers as usual: no tensor is one);
+  ``rendezvous`` (its ``is_symm_mem_tensor`` answers as usual: no tensor is one); and a group asked
+  for with NCCL's zero-CTA policy (``pg_options.config.cta_policy = NCCL_CTA_POLICY_ZERO``,
+  :func:`refuse_zero_cta`): that policy exists for NCCL's copy-engine collectives over
+  symmetric-memory windows, and a suite asks for it when it sets up symmetric memory, often long
+  before it reaches for the memory itself (Megatron-LM's ``test_overlap.py`` builds a 4 GiB model
+  per rank in between: at 8 ranks that is the machine's memory, for a test that then skips);
 * CUDA memory accounting: ``torch.cuda.memory_allocated``, ``max_memory_allocated``,
   ``memory_reserved``, ``max_memory_reserved``, ``memory_stats`` and ``mem_get_info``; except to the
   library heuristics and log lines in :data:`IDLE_MEMORY_READERS`, which read an idle device's 0 as
@@ -48,6 +53,7 @@ __all__ = [
     "EmulatedDeviceLacks",
     "TransformerEngineStandIns",
     "apply",
+    "refuse_zero_cta",
 ]
 
 #: the features, as :class:`EmulatedDeviceLacks` names them
@@ -64,6 +70,20 @@ class EmulatedDeviceLacks(RuntimeError):
     def __init__(self, feature: str, entry: str) -> None:
         super().__init__(f"the emulated CUDA device (a CPU rank) has no {feature}: {entry} needs a GPU")
         self.feature = feature
+
+
+def refuse_zero_cta(pg_options: Any) -> None:
+    """Raise :class:`EmulatedDeviceLacks` (symmetric memory) when ``pg_options`` (NCCL's
+    ``ProcessGroupNCCL.Options``, given to ``new_group``) asks for NCCL's zero-CTA policy; any other
+    options are for the caller to drop. A torch without NCCL has no such options to ask with."""
+    nccl = getattr(
+        getattr(sys.modules.get("torch.distributed"), "ProcessGroupNCCL", None), "NCCL_CTA_POLICY_ZERO", None
+    )
+    policy = getattr(getattr(pg_options, "config", None), "cta_policy", None)
+    if nccl is not None and policy is not None and policy == nccl:
+        raise EmulatedDeviceLacks(
+            SYMMETRIC_MEMORY, "a process group with NCCL's zero-CTA policy (its copy-engine collectives)"
+        )
 
 
 def _refusing(feature: str, entry: str) -> Callable[..., Any]:

@@ -10,8 +10,10 @@ those calls as one GPU per local rank would, each line for the upstream call tha
 
 * ``init_process_group(backend="nccl" | None | "cpu:gloo,cuda:nccl")``, ``new_group(backend="nccl",
   pg_options=<NCCL options>)`` (also the names ``torch.distributed.device_mesh`` binds): gloo, the
-  NCCL options dropped, a CUDA ``device_id`` dropped, the timeout capped (a rank that failed must
-  not leave its peers in gloo's 30-minute default); each group ``new_group`` makes recorded
+  NCCL options dropped (but NCCL's zero-CTA policy, asked for symmetric memory: a
+  ``GPU-only: symmetric memory`` skip, :func:`.device_limits.refuse_zero_cta`), a CUDA
+  ``device_id`` dropped, the timeout capped (a rank that failed must not leave its peers in gloo's
+  30-minute default); each group ``new_group`` makes recorded
   (:func:`made_groups`: the rank session frees it when its test or fixture is over), and
   ``init_process_group`` for the world the default group already spans uses that group (the rank
   session makes it before the tests; the suite's own first call would make it on GPUs);
@@ -89,7 +91,7 @@ def _on_gloo(original: Callable[..., Any], cap_s: float, made: MadeGroups) -> Ca
             return None
         if _is_gloo_able(given.get("backend")):
             given["backend"] = "gloo"
-            given.pop("pg_options", None)
+            device_limits.refuse_zero_cta(given.pop("pg_options", None))
         device_id = given.get("device_id")
         if device_id is not None and cuda_emulation.is_cuda_device(device_id):
             given.pop("device_id")

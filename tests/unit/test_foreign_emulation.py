@@ -9,6 +9,7 @@ import torch.distributed as dist
 from emulation_layers import foreign_layer, forget_megatron_rng
 
 from pytest_megatron_fsdp.emulation import cuda as cuda_emulation
+from pytest_megatron_fsdp.emulation import device_limits
 from pytest_megatron_fsdp.emulation import foreign as foreign_emulation
 from pytest_megatron_fsdp.emulation.made_groups import MadeGroups
 
@@ -104,6 +105,23 @@ def test_nccl_asked_for_is_a_gloo_group(foreign, one_rank_group):
     tensor = torch.ones(2, device="cuda")
     dist.all_reduce(tensor, group=group)
     assert tensor.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.skipif(
+    not hasattr(dist, "ProcessGroupNCCL"), reason="this torch has no NCCL options to ask with"
+)
+def test_a_group_asked_with_nccls_zero_cta_policy_is_symmetric_memory(foreign, one_rank_group):
+    # NCCL's zero-CTA policy exists for copy-engine collectives over symmetric memory: asked for, the
+    # test skips there, before the model it would build for symmetric memory
+    dist.init_process_group("nccl", init_method=one_rank_group, rank=0, world_size=1)
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO
+    with pytest.raises(
+        device_limits.EmulatedDeviceLacks, match="has no symmetric memory: a process group with NCCL"
+    ):
+        dist.new_group([0], backend="nccl", pg_options=options)
+    options.config.cta_policy = dist.ProcessGroupNCCL.NCCL_CTA_POLICY_EFFICIENCY  # any other policy: dropped
+    assert dist.get_backend(dist.new_group([0], backend="nccl", pg_options=options)) == "gloo"
 
 
 def test_backend_left_to_torch_is_gloo_too(foreign, one_rank_group):
