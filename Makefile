@@ -224,7 +224,7 @@ docs: venv
 	$(PY) docs/generate_gpu_only_causes.py
 
 # Megatron-LM's own Megatron-FSDP tests, unchanged, on CPU ranks (bench/upstream.py; docs/upstream-suites.md):
-#   make upstream MEGATRON_LM=/path/to/Megatron-LM [UPSTREAM_TESTS="paths in it"] [UPSTREAM_WORLD_SIZES="2 4"]
+#   make upstream MEGATRON_LM=/path/to/Megatron-LM [UPSTREAM_TESTS="paths in it"] [UPSTREAM_WORLD_SIZES="2 4 8"]
 #       [UPSTREAM_MARKERS="not flaky_in_dev"] [MEGATRON_BRIDGE=/path/to/Megatron-Bridge]
 # one torchrun run per world size from the checkout's root, selected by upstream's markers (UPSTREAM_MARKERS,
 # passed as -m; default Megatron-LM's dev CI's, "not flaky_in_dev"; UPSTREAM_MARKERS= runs every test), then with

@@ -27,7 +27,7 @@ in one line naming the variable, the value and the fix, exit status 2, before an
 Makefile runs that check (``--check``) with the stack's base Python before it builds the venv. The
 parsing and the tables are plain functions of JUnit files (stdlib ``xml.etree``).
 
-    python -m bench.upstream --megatron-lm /path/to/Megatron-LM [--tests "..."] [--world-sizes "2 4"]
+    python -m bench.upstream --megatron-lm /path/to/Megatron-LM [--tests "..."] [--world-sizes "2 4 8"]
 
 Exit status: 0 when every run finished with no failure or error, 1 otherwise, 2 on bad input.
 """
@@ -57,11 +57,21 @@ from bench import bridge_loss
 REPO = Path(__file__).resolve().parents[1]
 #: what ``make upstream`` runs when UPSTREAM_TESTS is not given (paths in the Megatron-LM checkout)
 DEFAULT_TESTS = (
-    "tests/unit_tests/distributed/mfsdp_v1",
-    "tests/unit_tests/distributed/mfsdp_v2",
+    "tests/unit_tests/distributed",
     "tests/unit_tests/transformer/test_fsdp_dtensor_checkpoint.py",
 )
-DEFAULT_WORLD_SIZES = (2, 4)
+#: 8 is upstream's own (tests/unit_tests/run_ci_test.sh: torchrun --nproc_per_node 8)
+DEFAULT_WORLD_SIZES = (2, 4, 8)
+#: What a rank needs above what it holds once torch and megatron-core are imported: the most a
+#: rank's anonymous memory grew above that over the default tests at world size 8 (0.6 GiB, in
+#: mfsdp_v2/test_memory.py; measured 2026-12-05 on a 2-core Xeon with avx512_bf16, torch 2.14.1,
+#: megatron-core of Megatron-LM main), rounded up.
+TEST_HEADROOM_GIB = 1.0
+#: Memory kept free beside the ranks: the parent, the torchrun agent, the shared libraries' pages.
+RESERVE_GIB = 1.5
+#: what a rank imports before any test (the probe measures a process that imported it)
+RANK_IMPORTS = "import torch, megatron.core"
+GIB = 1 << 30
 #: what a checkout's root holds (its tests import ``tests.…`` from there)
 MEGATRON_LM_LAYOUT = ("megatron/core", "tests/unit_tests")
 BRIDGE_LAYOUT = ("src/megatron/bridge", "tests")
@@ -242,6 +252,67 @@ def plan(args: argparse.Namespace) -> list[Run]:
     wall_limit(args.wall)
     results_dir(args.results)
     return runs
+
+
+# -- memory, before any run ------------------------------------------------------------------------
+
+
+def _status_bytes(text: str, field_name: str) -> int:
+    """A ``kB`` field of /proc/<pid>/status or /proc/meminfo, in bytes (0 where absent)."""
+    match = re.search(rf"^{field_name}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else 0
+
+
+def rank_baseline(python: str, checkout: Path) -> tuple[int, int]:
+    """(private, shared) bytes of a process that imported what a rank imports before its first test,
+    from the checkout's root: its anonymous memory (each rank's own) and its file-backed memory
+    (the libraries, shared by all ranks)."""
+    probe = f"{RANK_IMPORTS}; print(open('/proc/self/status').read())"
+    out = subprocess.run(
+        [python, "-c", probe], cwd=checkout, capture_output=True, text=True, check=True, timeout=300
+    ).stdout
+    return _status_bytes(out, "RssAnon"), _status_bytes(out, "RssFile")
+
+
+def memory_available() -> int:
+    """MemAvailable of /proc/meminfo in bytes (0 where there is no /proc)."""
+    try:
+        return _status_bytes(Path("/proc/meminfo").read_text(), "MemAvailable")
+    except OSError:
+        return 0
+
+
+def memory_check(sizes: Sequence[int], baseline: tuple[int, int], available: int, given: str) -> str:
+    """The line saying what the largest world size needs of the memory ``available``;
+    :class:`BadInput` naming the world sizes that would not fit (a rank set the kernel's OOM killer
+    ends leaves no result). ``baseline``: :func:`rank_baseline`'s measure; ``given``:
+    UPSTREAM_WORLD_SIZES as the user wrote it (empty: the default)."""
+    private, shared = baseline
+    per_rank = private / GIB + TEST_HEADROOM_GIB
+
+    def need(size: int) -> float:
+        return size * per_rank + shared / GIB + RESERVE_GIB
+
+    have = available / GIB
+    how = (
+        f"per rank {per_rank:.2f} GiB: {private / GIB:.2f} measured after `{RANK_IMPORTS}` plus "
+        f"{TEST_HEADROOM_GIB:g} for the largest test; {shared / GIB:.2f} GiB of libraries shared and "
+        f"{RESERVE_GIB:g} GiB kept free"
+    )
+    too_big = [size for size in sizes if need(size) > have]
+    if too_big and available:
+        fits = [size for size in sizes if size not in too_big]
+        fix = (
+            f'UPSTREAM_WORLD_SIZES="{" ".join(map(str, fits))}"' if fits else "a smaller UPSTREAM_WORLD_SIZES"
+        )
+        worst = max(too_big)
+        raise BadInput(
+            f"UPSTREAM_WORLD_SIZES={given or ' '.join(map(str, sizes))!r}: world size {worst} needs about "
+            f"{need(worst):.1f} GiB ({how}), this machine has {have:.1f} GiB available; run {fix}, or "
+            "free memory first"
+        )
+    largest = max(sizes)
+    return f"memory: world size {largest} needs about {need(largest):.1f} GiB of {have:.1f} GiB free ({how})"
 
 
 # -- JUnit -> outcomes ------------------------------------------------------------------------------
@@ -792,6 +863,20 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
         f"stack: {describe_stack(facts)}\nMegatron-LM runs: {selection(args.markers.strip(), why=True)}",
         flush=True,
     )
+    megatron_lm_sizes = [run.world_size for run in runs if run.variable == "MEGATRON_LM"]
+    try:
+        print(
+            memory_check(
+                megatron_lm_sizes,
+                rank_baseline(python, runs[0].checkout),
+                memory_available(),
+                args.world_sizes,
+            ),
+            flush=True,
+        )
+    except BadInput as problem:
+        print(f"make upstream: {problem}", file=sys.stderr)
+        return 2
     done: list[tuple[RunResult, JunitResults]] = []
     for run in runs:
         junit = (results / f"{run.name}.xml").resolve()

@@ -321,9 +321,10 @@ def test_bad_input_is_one_line_naming_the_variable_the_value_and_the_fix(
         f"make upstream: UPSTREAM_TESTS: tests/nope.py::x is not in MEGATRON_LM={checkout}; give paths "
         f"relative to the checkout's root, e.g. UPSTREAM_TESTS={upstream.DEFAULT_TESTS[0]}"
     )
-    # the default tests are checked too: this checkout has mfsdp_v1 only
-    assert "UPSTREAM_TESTS: tests/unit_tests/distributed/mfsdp_v2 is not in" in _refused(
-        monkeypatch, capsys, base
+    # the default tests are checked too: this checkout has no transformer/ tests
+    assert (
+        "UPSTREAM_TESTS: tests/unit_tests/transformer/test_fsdp_dtensor_checkpoint.py is not in"
+        in _refused(monkeypatch, capsys, base)
     )
     tests = ["--tests", MFSDP]
     assert _refused(monkeypatch, capsys, [*base, *tests, "--world-sizes", "2 four"]) == (
@@ -562,6 +563,8 @@ def test_main_writes_the_junit_table_and_summary_per_run(tmp_path, checkout, mon
     monkeypatch.setattr(upstream.Run, "command", fake_command)
     monkeypatch.setattr(upstream.signal, "signal", lambda *args: None)  # main's SIGTERM handler
     monkeypatch.setattr(upstream, "_become_subreaper", lambda: None)  # not for the test process
+    monkeypatch.setattr(upstream, "rank_baseline", lambda python, root: (GIB // 2, GIB // 2))
+    monkeypatch.setattr(upstream, "memory_available", lambda: 64 * GIB)
     argv = [
         "--megatron-lm",
         str(checkout),
@@ -684,3 +687,29 @@ def test_the_descendants_of_a_process_are_found_through_proc(tmp_path: Path) -> 
     finally:
         child.kill()
         child.wait()
+
+
+GIB = upstream.GIB
+
+
+def test_a_world_size_whose_ranks_would_not_fit_is_refused_before_any_run():
+    # 8 ranks of 0.5 GiB measured + 1 GiB headroom each, 0.5 GiB shared, 1.5 kept: 14 GiB
+    with pytest.raises(upstream.BadInput) as refused:
+        upstream.memory_check([2, 4, 8], (GIB // 2, GIB // 2), 13 * GIB, "")
+    line = str(refused.value)
+    assert line.startswith("UPSTREAM_WORLD_SIZES='2 4 8': world size 8 needs about 14.0 GiB"), line
+    assert "this machine has 13.0 GiB available" in line
+    assert 'run UPSTREAM_WORLD_SIZES="2 4"' in line
+    assert "\n" not in line
+
+
+def test_world_sizes_that_fit_say_what_the_largest_needs():
+    line = upstream.memory_check([2, 4, 8], (GIB // 2, GIB // 2), 14 * GIB, "2 4 8")
+    assert line.startswith("memory: world size 8 needs about 14.0 GiB of 14.0 GiB free"), line
+
+
+def test_the_baseline_is_measured_in_a_process_that_imported_what_a_rank_imports(tmp_path, monkeypatch):
+    monkeypatch.setattr(upstream, "RANK_IMPORTS", "import json")  # what this venv has; no megatron needed
+    private, shared = upstream.rank_baseline(sys.executable, tmp_path)
+    assert 1 << 20 < private < 1 << 30
+    assert 1 << 20 < shared < 1 << 30
