@@ -26,6 +26,9 @@ def summarise(report: pytest.TestReport) -> dict[str, Any]:
         data["text"] = report.longreprtext
     elif report.skipped and isinstance(report.longrepr, tuple):
         data["text"] = report.longrepr[2]
+    if report.skipped and hasattr(report, "wasxfail"):
+        data["xfailed"] = report.wasxfail
+        data["text"] = report.longreprtext
     data["sections"] = [list(s) for s in report.sections]
     return data
 
@@ -51,6 +54,9 @@ def merge_reports(
         if when == "call" and merged and merged[0].outcome != "passed":
             continue  # setup did not pass everywhere: no call phase, as in pytest
         worst = max(phase.values(), key=lambda p: _OUTCOME_RANK[p["outcome"]])["outcome"]
+        expected = expected_failure(phase) if worst == "failed" else None
+        if expected is not None:
+            worst = "skipped"
         if when == "setup" and worst == "skipped":
             # Some rank skipped but another went on and failed its call: that failure must not vanish.
             failed_calls = {
@@ -84,6 +90,10 @@ def merge_reports(
                     log_dir,
                 ),
             )
+        elif expected is not None:
+            # a strict xfail that failed as expected on some ranks and passed on the others: the
+            # distributed test failed as expected (its bug shows on those ranks)
+            report.wasxfail, report.longrepr = expected
         elif worst == "skipped" and base is not None and hasattr(base, "wasxfail"):
             # an expected failure (xfail) is reported as pytest reports it: the reason in
             # `wasxfail`, the failure's own traceback as longrepr
@@ -114,6 +124,26 @@ def merge_reports(
 
 #: how pytest's failure text of a strict xfail that passed begins
 _XPASS_STRICT = "[XPASS(strict)]"
+
+
+def expected_failure(phase: dict[int, dict[str, Any]]) -> tuple[str, str] | None:
+    """(reason, traceback) of a strict xfail whose expected failure came on some ranks while every
+    other rank passed (pytest calls that XPASS(strict) there): a bug that shows on some ranks of a
+    distributed test is the test failing as expected. None when any rank failed otherwise, or no
+    rank failed as expected."""
+    xfailed = {rank: p for rank, p in phase.items() if "xfailed" in p}
+    others = [p for rank, p in phase.items() if rank not in xfailed]
+    if not xfailed or not all(
+        p["outcome"] == "passed" or p.get("text", "").startswith(_XPASS_STRICT) for p in others
+    ):
+        return None
+    first = min(xfailed)
+    passed = sorted(set(phase) - set(xfailed))
+    where = f"failed as expected on {_ranks(sorted(xfailed))}" + (
+        f", passed on {', '.join(map(str, passed))}" if passed else ""
+    )
+    reason = xfailed[first]["xfailed"]
+    return (f"{reason} ({where})" if passed else reason), xfailed[first].get("text", "")
 
 
 def failure_text(failures: dict[int, str], passing: list[int], log_dir: Path) -> str:

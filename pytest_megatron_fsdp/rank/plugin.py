@@ -21,7 +21,7 @@ from ..emulation import cpu_mode
 from ..emulation.made_groups import MadeGroups
 from ..environment import DistributedSpec
 from ..foreign import bridge_plugin as foreign_bridge
-from ..foreign import gpu_only, gpu_only_skips
+from ..foreign import gpu_only, gpu_only_skips, upstream_test_bugs
 from ..fsdp import versions
 from ..reporting.summary import show_summary
 from ..wire import protocol
@@ -158,6 +158,7 @@ class RankPlugin(RolePlugin):
                     float(options.value_of(config, "pg-timeout").value),
                 )
                 foreign_bridge.watch(config, role.torchrun.rank)  # acts once megatron.bridge is imported
+                upstream_test_bugs.register(config, role.torchrun.world_size)
         config.stash[PLATFORM] = choice
 
     @classmethod
