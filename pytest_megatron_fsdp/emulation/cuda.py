@@ -27,8 +27,6 @@ device arguments were all it took). This module gives them those meanings and no
   a marker that ``reduce_scatter_tensor`` and ``all_reduce`` honour by scaling their input by ``f``
   (in place, as Megatron-FSDP's unfused path does) and summing, so Megatron's default
   ``gradient_reduce_div_fusion=True`` path runs on CPU ranks too;
-* ``reduce_scatter_tensor`` of bf16 or fp16 on 3 or more ranks sums in NCCL's ring order, in the
-  dtype, rounding at each step (:func:`_ring_ordered_sum`; gloo adds pairwise);
 * ``all_gather`` into outputs of different shapes (NCCL takes them, gloo refuses them) is done as
   one broadcast from each rank in turn (:func:`_uneven_aware_all_gather`);
 * every gloo process group gets one worker thread (:class:`InOrderProcessGroupGloo`), so a group's
@@ -404,51 +402,6 @@ def _premul_aware(original: Callable[..., Any], tensor_arg: str) -> Callable[...
     return collective
 
 
-#: the dtypes NCCL sums in their own precision, one rounding per ring step
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def _ring_ordered_sum(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``reduce_scatter_tensor`` (``original``) that sums bf16 and fp16 inputs as NCCL's ring does.
-
-    NCCL's ring reduce-scatter passes each chunk around the ring, every rank adding its own part in
-    the tensor's dtype: on 3 or more ranks the partial sums round at each step (x + x + x rounds
-    where x + x did not), which is what upstream tests of fp32 accumulation measure against. Gloo
-    adds pairwise, so identical inputs (every rank draws the same ``torch.rand``) sum exactly and
-    such a test cannot tell the two apart. Here the ranks exchange their chunks
-    (``all_to_all_single``) and each adds its chunk's parts in ring order, from the next rank on,
-    in the dtype. Other dtypes and ops, 2 ranks (one addition either way), and calls inside a
-    coalescing block (queued, run by gloo as they are) go to ``original``.
-    """
-    signature = inspect.signature(original)
-
-    def reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        output, tensor = bound.arguments["output"], bound.arguments["input"]
-        group = bound.arguments.get("group")
-        size = _dist.get_world_size(group)
-        pg = group if group is not None else _c10d._get_default_group()
-        if (
-            tensor.dtype not in _LOW_PRECISION
-            or bound.arguments.get("op", _dist.ReduceOp.SUM) != _dist.ReduceOp.SUM
-            or size < 3
-            or _c10d._world.pg_coalesce_state.get(pg)
-        ):
-            return original(*bound.args, **bound.kwargs)
-        parts = torch.empty((size, output.numel()), dtype=tensor.dtype, device=tensor.device)
-        _dist.all_to_all_single(parts, tensor.detach().reshape(size, -1).contiguous(), group=group)
-        me = _dist.get_rank(group)
-        total = parts[(me + 1) % size].clone()
-        for step in range(2, size + 1):
-            total += parts[(me + step) % size]
-        output.copy_(total.view_as(output))
-        return _CompletedWork() if bound.arguments.get("async_op") else None
-
-    reduce_scatter_tensor.__name__ = reduce_scatter_tensor.__qualname__ = original.__name__
-    reduce_scatter_tensor.__doc__ = original.__doc__
-    return reduce_scatter_tensor
-
-
 class _CompletedWork:
     """What an ``async_op=True`` collective returns when the emulation ran it to completion."""
 
@@ -579,11 +532,7 @@ class _Emulation:
             _init_device_mesh_on_cpu(_device_mesh.init_device_mesh),
         )
         self._patch(_dist, "_make_nccl_premul_sum", _make_premul_sum)
-        self._patch(
-            _dist,
-            "reduce_scatter_tensor",
-            _premul_aware(_ring_ordered_sum(_dist.reduce_scatter_tensor), "input"),
-        )
+        self._patch(_dist, "reduce_scatter_tensor", _premul_aware(_dist.reduce_scatter_tensor, "input"))
         self._patch(_dist, "all_reduce", _premul_aware(_dist.all_reduce, "tensor"))
         self._patch(_dist, "all_gather", _uneven_aware_all_gather(_dist.all_gather))
         # torch's group constructors look the class up in distributed_c10d at call time

@@ -53,32 +53,6 @@ def test_premul_sum_is_the_pre_multiplied_sum_over_gloo(dist_env):
     assert torch.equal(total, sum(per_rank))
 
 
-@pytest.mark.distributed(world_size=4)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_low_precision_reduce_scatter_sums_in_nccls_ring_order(dist_env, dtype):
-    """NCCL's ring adds each rank's part in turn, in the dtype, from the next rank on; gloo adds
-    pairwise, so at 8 ranks identical inputs sum exactly there and an fp32-accumulation test cannot
-    see the difference (Megatron-LM's test_reduce_scatter_with_fp32_accumulation.py; up to 5 ranks
-    the ring's sum of identical bf16 inputs is exact too)."""
-    import torch.distributed as dist
-
-    size, me = dist_env.world_size, dist_env.rank
-    inputs = [
-        torch.rand(size * 4096, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(size)
-    ]
-    shard = torch.empty(4096, dtype=dtype)
-    dist.reduce_scatter_tensor(shard, inputs[me].clone(), async_op=True).wait()
-    parts = [tensor.view(size, -1)[me] for tensor in inputs]
-    ring = parts[(me + 1) % size].clone()
-    for step in range(2, size + 1):
-        ring += parts[(me + step) % size]
-    assert torch.equal(shard, ring)
-    # fp32 is gloo's own sum, as before
-    full = torch.empty(4096)
-    dist.reduce_scatter_tensor(full, torch.ones(size * 4096))
-    assert torch.equal(full, torch.full((4096,), float(size)))
-
-
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("async_op", [False, True])
 def test_all_gather_into_outputs_of_different_shapes_over_gloo(dist_env, async_op):
