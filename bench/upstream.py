@@ -69,6 +69,17 @@ DEFAULT_WORLD_SIZES = (2, 4, 8)
 TEST_HEADROOM_GIB = 1.0
 #: Memory kept free beside the ranks: the parent, the torchrun agent, the shared libraries' pages.
 RESERVE_GIB = 1.5
+#: The runs have no network (tests never download): a request through ``requests``/``urllib``
+#: goes to this proxy, a closed port on this machine, and fails at once. Megatron-LM's session
+#: fixture ``ensure_test_data`` tries to download its test data into /opt/data (60 s a try against
+#: a silent server); its failure is said in one line after the run.
+NO_NETWORK = {"HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+#: what that fixture logs when it could not get the data
+NO_TEST_DATA = "Error downloading/extracting"
+#: Directories Megatron-LM's tests make outside the checkout and leave behind: the test-data
+#: fixture's /opt/data, the shared temp dir of mfsdp_v1's checkpoint tests. Removed after the runs
+#: where the runs made them and left them empty.
+MADE_OUTSIDE = (Path("/opt/data"), Path("/tmp/pytest-shared-tmp"))
 #: what a rank imports before any test (the probe measures a process that imported it)
 RANK_IMPORTS = "import torch, megatron.core"
 GIB = 1 << 30
@@ -457,6 +468,37 @@ def totals(rows: Iterable[dict[str, float]]) -> dict[str, float]:
 # -- running ----------------------------------------------------------------------------------------
 
 
+#: seconds between two looks at a run's processes (its ranks, their memory)
+SAMPLE_S = 2.0
+
+
+@dataclass
+class MemoryPeak:
+    """The most a run's processes held at one sample: their PSS summed (what the machine gave them,
+    shared pages counted once), and one process's resident set (a rank's)."""
+
+    total_pss: int = 0
+    process_rss: int = 0
+
+    def sample(self, pids: Iterable[int]) -> None:
+        total = 0
+        for pid in pids:
+            try:
+                rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue  # gone between the listing and the look
+            total += _status_bytes(rollup, "Pss")
+            self.process_rss = max(self.process_rss, _status_bytes(status, "VmRSS"))
+        self.total_pss = max(self.total_pss, total)
+
+    def line(self) -> str:
+        return (
+            f"peak memory {self.total_pss / GIB:.1f} GiB (all processes' PSS), "
+            f"{self.process_rss / GIB:.2f} GiB the largest resident rank"
+        )
+
+
 @dataclass
 class RunResult:
     run: Run
@@ -474,6 +516,10 @@ class RunResult:
     #: make run's last-loss line (bench/bridge_loss.py; None: none logged)
     deselected: int | None = None
     loss: str | None = None
+    #: upstream's test-data fixture logged that it could not download its data
+    no_test_data: bool = False
+    #: what the run's processes held at most (sampled every :data:`SAMPLE_S`): :class:`MemoryPeak`
+    memory: MemoryPeak = field(default_factory=lambda: MemoryPeak())
 
     @property
     def finished(self) -> bool:
@@ -568,14 +614,17 @@ def execute(
         seen: dict[int, str] = {}
         status: int | None = None
         stopped = None
+        memory = MemoryPeak()
         try:
             while stopped is None:
                 remaining = wall_s - (time.monotonic() - start)
                 try:
-                    status = proc.wait(timeout=min(5.0, max(0.0, remaining)))
+                    status = proc.wait(timeout=min(SAMPLE_S, max(0.0, remaining)))
                     break
                 except subprocess.TimeoutExpired:
-                    seen |= descendants(proc.pid)  # the ranks, while the agent still knows them
+                    alive = descendants(proc.pid)  # the ranks, while the agent still knows them
+                    seen |= alive
+                    memory.sample([proc.pid, *alive])
                     if remaining <= 0:
                         stopped = f"wall limit {wall_s:g} s reached: {stop(proc, grace_s)}"
         except BaseException:  # interrupted (Ctrl-C, SIGTERM): no rank left behind
@@ -584,7 +633,9 @@ def execute(
             kill_all(seen)
             raise
     leftovers = kill_all(seen)
-    return RunResult(run, junit, log, status, time.monotonic() - start, wall_s, stopped, leftovers)
+    return RunResult(
+        run, junit, log, status, time.monotonic() - start, wall_s, stopped, leftovers, memory=memory
+    )
 
 
 #: a line of pytest's that holds the deselected count: collection's ``collected N items / M deselected
@@ -609,8 +660,21 @@ def read_log(result: RunResult) -> None:
     except OSError:
         return
     result.deselected = deselected(text)
+    result.no_test_data = NO_TEST_DATA in text
     if result.run.make_args:
         result.loss = bridge_loss.reported(text)
+
+
+def remove_made_outside(existed: set[Path]) -> list[Path]:
+    """Remove each of :data:`MADE_OUTSIDE` the runs made (not in ``existed``) and left empty; returns
+    those removed."""
+    removed = []
+    for path in MADE_OUTSIDE:
+        if path not in existed and path.is_dir() and not any(path.iterdir()):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+                removed.append(path)
+    return removed
 
 
 # -- stack ------------------------------------------------------------------------------------------
@@ -715,6 +779,11 @@ def heading(result: RunResult, parsed: JunitResults) -> str:
     else:
         state = f"DID NOT FINISH after {_seconds(result.wall_s)}: {result.stopped}"
     notes = [parsed.problem] if parsed.problem else []
+    if result.no_test_data:
+        notes.append(
+            "upstream's ensure_test_data fixture could not download its test data (the runs have no network; "
+            "NEMO_TEST_DATA_ROOT=<dir holding megatron-lm/release-assets/v2.5> supplies it)"
+        )
     notes.append(
         f"{result.deselected} deselected" if result.deselected is not None else "no deselected count logged"
     )
@@ -725,6 +794,8 @@ def heading(result: RunResult, parsed: JunitResults) -> str:
     failures = any(test.outcome in ("failed", "error", "not-run") for test in parsed.tests.values())
     if result.finished and result.status not in (0, 5) and not failures and not parsed.problem:
         notes.append("rank 0 reported no failure: another rank failed or the session broke (see the log)")
+    if result.memory.total_pss:
+        notes.append(result.memory.line())
     if result.leftovers:
         notes.append(f"{result.leftovers} processes left running were killed")
     return f"{what}: {state}" + "".join(f"; {note}" for note in notes) + f" (log: {result.log})"
@@ -766,6 +837,8 @@ def summary(
             "junit_problem": parsed.problem,
             "junit_unnamed": parsed.unnamed,
             "leftovers_killed": result.leftovers,
+            "peak_pss_bytes": result.memory.total_pss,
+            "peak_process_rss_bytes": result.memory.process_rss,
             **({"last_loss": result.loss} if result.run.make_args else {}),
             "files": files,
             "totals": totals(files.values()),
@@ -878,17 +951,21 @@ def main(argv: list[str] | None = None, python: str = sys.executable) -> int:
         print(f"make upstream: {problem}", file=sys.stderr)
         return 2
     done: list[tuple[RunResult, JunitResults]] = []
+    existed = {path for path in MADE_OUTSIDE if path.exists()}
     for run in runs:
         junit = (results / f"{run.name}.xml").resolve()
         print(
             f"{run.name}: {run.world_size} ranks, {' '.join(run.tests)} (wall limit {wall_s:g} s) ...",
             flush=True,
         )
-        result = execute(run, run.command(python, junit), results, wall_s, args.grace)
+        env = {**os.environ, **NO_NETWORK} if run.variable == "MEGATRON_LM" else None
+        result = execute(run, run.command(python, junit), results, wall_s, args.grace, env=env)
         result.leftovers += kill_all(descendants(os.getpid()))  # orphans of a killed agent
         read_log(result)
         done.append((result, read_junit(result.junit, run.checkout)))
         print(heading(*done[-1]), flush=True)
+    for path in remove_made_outside(existed):
+        print(f"removed {path}: the runs made it outside the checkout and left it empty", flush=True)
     markers = args.markers.strip()
     text = report(done, facts, markers)
     (results / "summary.json").write_text(json.dumps(summary(done, facts, markers), indent=1) + "\n")

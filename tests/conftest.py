@@ -342,6 +342,7 @@ LONGEST_FIRST = {
         "test_reruns.py",  # 99 s
         "test_faults.py",  # 93 s
         "test_checkpoint_resharding.py",  # 83 s: world sizes 2, 4, 2 and 1 in turn
+        "test_make_upstream.py",  # 150 s: a fresh floor venv, a checkout-like tree at 2, 4 and 8 ranks
         "test_wheel.py",  # 70-80 s: build, fresh venv, a 2-rank example
         "test_srun_steps.py",  # 70 s
         "test_leftovers.py",  # make test and make smoke on a small file

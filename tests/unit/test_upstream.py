@@ -713,3 +713,67 @@ def test_the_baseline_is_measured_in_a_process_that_imported_what_a_rank_imports
     private, shared = upstream.rank_baseline(sys.executable, tmp_path)
     assert 1 << 20 < private < 1 << 30
     assert 1 << 20 < shared < 1 << 30
+
+
+# -- no network, nothing left outside ---------------------------------------------------------------
+
+
+def test_a_megatron_lm_run_has_no_network_and_a_download_fails_at_once(tmp_path, checkout, monkeypatch):
+    """Tests never download: a request from a run (upstream's test-data fixture) fails at once
+    instead of waiting out a silent server, and the run's line says the fixture got no data."""
+    results = tmp_path / "results"
+    body = (
+        "import time, urllib.request\n"
+        "start = time.monotonic()\n"
+        "try:\n"
+        "    urllib.request.urlopen('https://github.com/NVIDIA/Megatron-LM/releases/x.zip', timeout=60)\n"
+        "except OSError as exc:\n"
+        "    took = round(time.monotonic() - start)\n"
+        f"    print('{upstream.NO_TEST_DATA} datasets.zip:', type(exc).__name__, took, exc)\n"
+    )
+
+    def fake_command(self: upstream.Run, python: str, junit: Path) -> list[str]:
+        return _fake(tmp_path, body)
+
+    monkeypatch.setattr(upstream.Run, "command", fake_command)
+    monkeypatch.setattr(upstream.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(upstream, "_become_subreaper", lambda: None)
+    monkeypatch.setattr(upstream, "rank_baseline", lambda python, root: (GIB // 2, GIB // 2))
+    monkeypatch.setattr(upstream, "memory_available", lambda: 64 * GIB)
+    argv = ["--megatron-lm", str(checkout), "--tests", MFSDP, "--world-sizes", "2", "--results", str(results)]
+    upstream.main(argv)
+    log = (results / "ws2.log").read_text()
+    assert log.startswith(f"{upstream.NO_TEST_DATA} datasets.zip: URLError 0"), log
+    assert "Connection refused" in log  # by the closed proxy port, never a resolver or a server
+    heading = (results / "table.md").read_text()
+    assert (
+        "upstream's ensure_test_data fixture could not download its test data (the runs have no network"
+        in heading
+    )
+
+
+def test_what_the_runs_made_outside_the_checkout_goes_when_left_empty(tmp_path, monkeypatch):
+    made_empty, made_full, was_there = tmp_path / "data", tmp_path / "shared", tmp_path / "mine"
+    monkeypatch.setattr(upstream, "MADE_OUTSIDE", (made_empty, made_full, was_there))
+    was_there.mkdir()
+    existed = {path for path in upstream.MADE_OUTSIDE if path.exists()}
+    made_empty.mkdir()
+    made_full.mkdir()
+    (made_full / "checkpoint").write_text("kept: not ours to judge")
+    assert upstream.remove_made_outside(existed) == [made_empty]
+    assert not made_empty.exists()
+    assert made_full.exists()
+    assert was_there.exists()
+
+
+def test_a_runs_peak_memory_is_sampled_while_it_runs(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    run = upstream.Run("ws2", results, (MFSDP,), 2)
+    body = "import time\nheld = b'x' * (300 << 20)\ntime.sleep(3 * 2.0)\n"
+    result = upstream.execute(run, _fake(tmp_path, body), results, wall_s=60.0)
+    assert result.memory.process_rss >= 300 << 20
+    assert result.memory.total_pss >= 300 << 20
+    assert "peak memory 0.3 GiB (all processes' PSS)" in upstream.heading(
+        result, upstream.read_junit(result.junit)
+    )
