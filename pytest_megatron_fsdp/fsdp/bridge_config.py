@@ -1,11 +1,12 @@
-"""Megatron-Bridge's own config and rules, checked in the process that is about to start ranks.
+"""Megatron-Bridge's own config and rules, checked in a plain process, as the one that launches ranks is.
 
 With megatron-bridge importable (the newest stack; :func:`versions.megatron_bridge_problem` says why not),
 the seed's config is Bridge's own ``ConfigContainer``: Bridge's recipe function, the seed's Megatron-FSDP
 override (:func:`apply_seed_override`) and a CPU-sized model (:func:`shrink_for_cpu`), checked by Bridge's
 own ``runtime_config_update`` (what ``pretrain()`` runs first: the mixed-precision string resolved, the
 data-parallel size computed, then ``ConfigContainer.validate()``). It runs in a plain process: no process
-group, no CUDA; Bridge reads the world size from the environment.
+group, no CUDA; Bridge reads the world size from the environment. The session start does not call it yet:
+the tests do (``tests/unit/test_bridge_config.py``).
 
 A refusal is worded once, by the plugin's own rules (:mod:`.config`): the config is mirrored into a
 :class:`RunConfig` (:func:`run_config_of`) and the first rule that refuses it gives the line (field,
