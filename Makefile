@@ -20,7 +20,8 @@
 #
 # Stacks (STACK=newest|floor|bridge; default: bridge for `make bridge-test`, else newest when a Python 3.12 is
 # found, else floor):
-#   newest  Python 3.12 (on PATH, else the newest pyenv 3.12), megatron-core 0.19.2, torch 2.14.1, megatron-fsdp
+#   newest  Python 3.12 (on PATH, else the newest pyenv 3.12), megatron-core 0.19.2, torch 2.14.1, megatron-fsdp,
+#           megatron-bridge 0.6.2 (no Transformer Engine; BRIDGE_REQ= leaves it out)
 #   floor   Python 3.11, megatron-core 0.16.1, the CPU torch 2.13.0
 #   bridge  Python 3.12, torch 2.14.1, megatron-core from MEGATRON_CORE (default: the Megatron-LM submodule of
 #           MEGATRON_BRIDGE), Megatron-Bridge from MEGATRON_BRIDGE (a checkout, editable) with only what its
@@ -55,7 +56,14 @@ PYTHON        ?= $(PYTHON312)
 # The registry's only torch for Python 3.12 is the CUDA build (~5.5 GB venv); it runs on CPU too.
 TORCH_SPEC    ?= torch==2.14.1
 MEGATRON_CORE ?= megatron-core==0.19.2
-EXTRAS        ?= dev,fully-shard
+# bridge: what Megatron-Bridge imports (pyproject.toml's extra says what it leaves out and why).
+EXTRAS        ?= dev,fully-shard,bridge
+# Megatron-Bridge from the registry (0.6.x pairs with megatron-core 0.19), installed without its declared
+# dependencies: it declares a bare megatron-core[dev,mlm] and GPU-only builds (Transformer Engine,
+# flashinfer, fast-hadamard-transform). BRIDGE_REQ= leaves Bridge out; its tests then skip.
+BRIDGE_REQ    ?= megatron-bridge==0.6.2
+# Bridge's pretrain imports nvidia_resiliency_ext; megatron-core 0.19.2's dev extra pins this one.
+NVRX_SPEC     ?= nvidia-resiliency-ext==0.6.0
 else ifeq ($(STACK),floor)
 PYTHON        ?= $(PYTHON311)
 # The CPU build of torch (a wheel on disk on these machines).
@@ -80,14 +88,19 @@ $(error MEGATRON_CORE: $(_BRIDGE)/3rdparty/Megatron-LM is empty: run git submodu
 endif
 endif
 EXTRAS        ?= dev,fully-shard
-# What Bridge's test imports beyond megatron-core, in the ranges Bridge's pyproject.toml declares (modelopt:
-# megatron-core's dev extra); its other dependencies (Transformer Engine among them) stay out.
-BRIDGE_DEPS   ?= transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 datasets>=2.20.0 tensorboard>=2.19.0 nvidia-modelopt>=0.44
+BRIDGE_REQ    := -e '$(_BRIDGE)'
+# What Bridge's test imports beyond megatron-core, in the ranges Bridge's pyproject.toml declares (modelopt,
+# energon: megatron-core's dev extra; its training.config imports energon); its other dependencies
+# (Transformer Engine among them) stay out. The newest stack takes the same list from the extra `bridge`.
+BRIDGE_DEPS   ?= transformers>=5.8,<=5.12.1 omegaconf>=2.3.0 datasets>=2.20.0 tensorboard>=2.19.0 nvidia-modelopt>=0.44 \
+	megatron-energon~=7.0
 # Bridge's pretrain imports nvidia_resiliency_ext; Megatron-LM main asserts it is >= 0.6.0 once installed.
 NVRX_SPEC     ?= nvidia-resiliency-ext==0.6.0
 else
 $(error STACK=$(STACK): choose newest, floor or bridge)
 endif
+# Bridge is installed where the stack names it (newest: the registry's; bridge: the checkout).
+_BRIDGE_ON := $(strip $(BRIDGE_REQ))
 # A Megatron-LM checkout in MEGATRON_CORE ("-e PATH", "--editable PATH" or PATH) brings its own
 # standalone megatron-fsdp (it has its own pyproject.toml there).
 _MCORE_EDITABLE := $(filter -e --editable,$(firstword $(MEGATRON_CORE)))
@@ -130,8 +143,8 @@ PYTEST   := $(SCRATCH) $(PY) -m pytest
 TORCHRUN := $(SCRATCH) $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 # What the venv was built from: a change of any of these rebuilds the installs.
 SPEC := python=$(PYTHON) torch=$(TORCH_SPEC) megatron-core=$(MEGATRON_CORE) megatron-fsdp=$(MEGATRON_FSDP) \
-	extras=$(EXTRAS) flags=$(VENV_FLAGS)$(if $(PYTEST_SPEC), pytest=$(PYTEST_SPEC))$(if $(_BRIDGE), \
-	megatron-bridge=$(_BRIDGE) bridge-deps=$(BRIDGE_DEPS) nvrx=$(NVRX_SPEC))
+	extras=$(EXTRAS) flags=$(VENV_FLAGS)$(if $(PYTEST_SPEC), pytest=$(PYTEST_SPEC))$(if $(_BRIDGE_ON), \
+	megatron-bridge=$(or $(_BRIDGE),$(BRIDGE_REQ)) bridge-deps=$(BRIDGE_DEPS) nvrx=$(NVRX_SPEC))
 
 .PHONY: venv smoke test unit integration functional e2e reproductions lint stack clean
 
@@ -150,17 +163,18 @@ venv:
 		else \
 			$(PY) -m pip install -q -e '.[$(EXTRAS)]' $(if $(PYTEST_SPEC),'$(PYTEST_SPEC)'); \
 		fi; \
-		$(if $(_BRIDGE),$(BRIDGE_INSTALL);) \
+		$(if $(_BRIDGE_ON),$(BRIDGE_INSTALL);) \
 		echo '$(SPEC)' > $(VENV)/.installed; \
 	fi
 	@$(MAKE) --no-print-directory stack STACK=$(STACK)
 
-# STACK=bridge: Megatron-Bridge editable without its dependencies, then BRIDGE_DEPS, then NVRX_SPEC. Its wheels
+# Megatron-Bridge without its dependencies (STACK=bridge: the checkout, editable; newest: BRIDGE_REQ from the
+# registry), then BRIDGE_DEPS (newest: none, the extra `bridge` brought them), then NVRX_SPEC. nvrx's wheels
 # from 0.5 on are tagged manylinux_2_39 (glibc 2.39); where pip finds none for this glibc, that wheel is fetched
 # and installed under this machine's plain linux tag, in one line saying so: its one compiled module (the CUPTI
 # straggler detector, CUDA 13) is never loaded on CPU ranks.
-BRIDGE_INSTALL = $(PY) -m pip install -q --no-deps -e '$(_BRIDGE)' && \
-	$(PY) -m pip install -q $(foreach d,$(BRIDGE_DEPS),'$(d)') && \
+BRIDGE_INSTALL = $(PY) -m pip install -q --no-deps $(if $(_BRIDGE),$(BRIDGE_REQ),'$(BRIDGE_REQ)') && \
+	$(if $(strip $(BRIDGE_DEPS)),$(PY) -m pip install -q $(foreach d,$(BRIDGE_DEPS),'$(d)') &&) \
 	if ! $(PY) -m pip install -q '$(NVRX_SPEC)' 2>/dev/null; then \
 		arch=$$(uname -m); wheels=$$(mktemp -d); \
 		echo "make: $(NVRX_SPEC) has no wheel for this glibc; installing its manylinux_2_39_$$arch wheel as linux_$$arch"; \

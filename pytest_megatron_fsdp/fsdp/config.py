@@ -46,6 +46,18 @@ class ConfigError(ValueError):
         self.rule = rule
 
 
+def upstream_line(error: BaseException) -> str:
+    """An upstream check's exception in one line: its type and the first line of its message."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else '(no message)'}"
+
+
+def upstream_refusal(source: str, error: BaseException) -> str:
+    """The line of a refusal only upstream makes (``source``: e.g. ``Megatron-Bridge 0.6.2``): no rule of
+    :data:`RULES` refuses the config, so upstream's message is all there is to name the field."""
+    return f"{source} refuses the config: {upstream_line(error)}; change the field it names"
+
+
 class ConfigWarning(UserWarning):
     """A config that upstream accepts with a warning or adjusts itself (the message says how)."""
 

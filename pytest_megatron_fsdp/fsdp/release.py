@@ -303,17 +303,30 @@ def _module_globals_holding(refs: list[weakref.ref[Any]], limit: int = 4) -> lis
     found: list[str] = []
     for module_name, module in list(sys.modules.items()):
         for name, value in list(getattr(module, "__dict__", {}).items()):
-            if isinstance(value, dict):
-                members: Iterable[Any] = list(value.values())
-            elif isinstance(value, (list, tuple, set, frozenset)):
-                members = list(value)
-            else:
-                members = ()
+            members = _stored_members(value)
             if id(value) in targets or any(id(m) in targets for m in members):
                 found.append(f"{module_name}.{name}")
                 if len(found) >= limit:
                     return found
     return found
+
+
+def _stored_members(value: Any) -> Iterable[Any]:
+    """What a container global holds, read through the builtin type's own methods: a subclass's may do
+    anything. transformers' auto-class registries (``_LazyAutoMapping``, an ``OrderedDict``) import every
+    model on ``values()`` and raise for one a release lacks; Megatron-Bridge imports them in every process
+    it runs in."""
+    if isinstance(value, dict):
+        return list(dict.values(value))
+    if isinstance(value, list):
+        return list(list.__iter__(value))
+    if isinstance(value, tuple):
+        return list(tuple.__iter__(value))
+    if isinstance(value, set):
+        return list(set.__iter__(value))
+    if isinstance(value, frozenset):
+        return list(frozenset.__iter__(value))
+    return ()
 
 
 def _cuda_allocated(device: str) -> int | None:

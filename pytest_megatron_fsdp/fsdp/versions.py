@@ -756,6 +756,33 @@ def megatron_lm_fsdp_dtensor_handlers() -> MegatronLMHandlers | None:
     return MegatronLMHandlers(fsdp_dtensor_checkpoint)
 
 
+#: the Megatron-Bridge release the newest stack installs, and the megatron-core series it pairs with (Bridge's
+#: 0.6.x wheels pin no megatron-core; its Megatron-LM submodule is core_r0.19.0)
+BRIDGE_RELEASE = "0.6.2"
+BRIDGE_MEGATRON_CORE = Version("0.19")
+
+
+def megatron_bridge_problem() -> str | None:
+    """Why Megatron-Bridge's own config and rules cannot be used here, in one line (None: they can).
+
+    The newest stack installs megatron-bridge (``make``, or ``pip install --no-deps megatron-bridge==0.6.2``
+    plus the extra ``bridge``); the floor does not: its megatron-core 0.16.1 predates what Bridge 0.6
+    imports (``megatron.training.config``, in the megatron-core wheels from 0.19 on). Reads metadata only."""
+    bridge = package_version("megatron-bridge")
+    core = megatron_core_version()
+    if bridge == "not installed":
+        return (
+            f"megatron-bridge is not installed (the newest stack installs {BRIDGE_RELEASE}, which needs "
+            f"megatron-core >= {BRIDGE_MEGATRON_CORE}; the floor has {package_version('megatron-core')})"
+        )
+    if core is None or core.release[:2] < BRIDGE_MEGATRON_CORE.release[:2]:
+        return (
+            f"megatron-bridge {bridge} needs megatron-core >= {BRIDGE_MEGATRON_CORE}, "
+            f"found {package_version('megatron-core')}"
+        )
+    return None
+
+
 def megatron_lm_training_installed() -> bool:
     """Whether ``megatron.training`` (Megatron-LM's training loop and checkpointing) is importable with
     its ``checkpointing`` module: the megatron-core wheels from 0.19 ship it, 0.16's does not, a

@@ -180,6 +180,21 @@ def test_the_bridge_stack_installs_bridge_without_its_dependencies_then_what_its
     assert given["megatron-core"] == f"-e {checkout}"
 
 
+def test_the_newest_stack_installs_the_registrys_bridge_without_its_dependencies_and_the_floor_none(tmp_path):
+    planned = _planned(tmp_path, "STACK=newest")
+    assert "extras=dev,fully-shard,bridge " in planned["spec"]  # what Bridge imports, from pyproject.toml
+    assert "megatron-bridge=megatron-bridge==0.6.2 " in planned["spec"]  # a change rebuilds the venv
+    plan = _make_n("venv", "STACK=newest", f"VENV={tmp_path / 'venv'}").stdout
+    assert "pip install -q --no-deps 'megatron-bridge==0.6.2'" in plan
+    assert "'nvidia-resiliency-ext==0.6.0'" in plan
+    assert "transformer-engine" not in plan.lower()
+    without = _make_n("venv", "STACK=newest", "BRIDGE_REQ=", f"VENV={tmp_path / 'venv'}").stdout
+    floor = _make_n("venv", "STACK=floor", f"VENV={tmp_path / 'venv'}").stdout
+    for other in (without, floor):
+        assert "megatron-bridge" not in other
+        assert "nvidia-resiliency-ext" not in other
+
+
 def test_make_bridge_test_runs_the_test_from_the_checkout_in_the_bridge_venv(tmp_path, bridge_checkout):
     (bridge_checkout / "3rdparty" / "Megatron-LM" / "megatron" / "core").mkdir(parents=True)
     junit = tmp_path / "bridge.xml"

@@ -101,6 +101,33 @@ def test_run_watch_names_a_kept_model_its_bytes_and_the_global_holding_it():
     assert watch.leftovers() is None  # the global let go
 
 
+class _ImportsOnValues(dict):
+    """A registry that loads what it maps only when asked for its values (transformers' auto-class
+    mappings, which Megatron-Bridge imports), and fails there for an entry it cannot load."""
+
+    def values(self):  # type: ignore[override]
+        raise ValueError("Could not find VoxtralRealtimeTextModel")
+
+    def __iter__(self):
+        raise ValueError("Could not find VoxtralRealtimeTextModel")
+
+
+def test_the_search_for_a_kept_models_holder_reads_a_registry_without_loading_it(monkeypatch):
+    registries = type(sys)("lazy_registries")
+    registries.MAPPING = _ImportsOnValues(llama="LlamaModel")
+    registries.LISTED = type("Listing", (list,), {"__iter__": _ImportsOnValues.__iter__})()
+    monkeypatch.setitem(sys.modules, "lazy_registries", registries)
+    watch = RunWatch("cpu")
+    model = torch.nn.Linear(4, 4)
+    watch.watch("run 1's model", model)
+    registries.LISTED.append(model)  # held in a list subclass that cannot be iterated the usual way
+    del model
+    found = watch.leftovers()
+    assert found is not None
+    assert found.holders == ["lazy_registries.LISTED"]
+    registries.LISTED.clear()
+
+
 class _ReleasesOnFinalize:
     """Garbage whose finalizer lets go of a model: only a second collection can free that model
     (the shape measured with an FSDP2 run whose backward raised)."""

@@ -351,3 +351,23 @@ def test_package_source_names_the_commit_of_a_git_checkout(monkeypatch, tmp_path
     src.mkdir(parents=True)
     Distribution.read_text = lambda self, name: f'{{"url": "file://{src}", "dir_info": {{"editable": true}}}}'
     assert versions.package_source("megatron-fsdp") == f"-e {src}@{commit}"
+
+
+@pytest.mark.parametrize(
+    ("installed", "problem"),
+    [
+        ({"megatron-bridge": "0.6.2", "megatron-core": "0.19.2"}, None),
+        ({"megatron-core": "0.16.1"}, "megatron-bridge is not installed"),  # the floor
+        ({"megatron-bridge": "0.6.2", "megatron-core": "0.18.0"}, "needs megatron-core >= 0.19, found 0.18"),
+        ({"megatron-bridge": "0.6.2", "megatron-core": "0.20.0rc2+d98e8a6"}, None),  # a Megatron-LM main
+    ],
+)
+def test_megatron_bridge_problem_says_in_one_line_why_bridge_is_not_used(monkeypatch, installed, problem):
+    monkeypatch.setattr(versions, "package_version", lambda name: installed.get(name, "not installed"))
+    found = versions.megatron_bridge_problem()
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert problem in found
+        assert "\n" not in found
