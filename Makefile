@@ -50,6 +50,10 @@ STACK ?= $(if $(filter bridge-test,$(MAKECMDGOALS)),bridge,$(if $(PYTHON312),new
 ifneq ($(and $(filter upstream upstream-record,$(MAKECMDGOALS)),$(strip $(MEGATRON_LM))),)
 MEGATRON_CORE ?= -e $(patsubst %/,%,$(strip $(MEGATRON_LM)))
 VENV          ?= .venv-$(STACK)-upstream
+# The checkout's own tests need no Megatron-Bridge (the registry's pairs with a released megatron-core, not
+# with a checkout's); MEGATRON_BRIDGE's run has a venv of its own.
+EXTRAS        ?= dev,fully-shard
+BRIDGE_REQ    ?=
 endif
 ifeq ($(STACK),newest)
 PYTHON        ?= $(PYTHON312)
@@ -268,7 +272,7 @@ UPSTREAM_FLAGS = --megatron-lm='$(MEGATRON_LM)' --megatron-bridge='$(MEGATRON_BR
 .PHONY: upstream upstream-record
 upstream:
 	@$(or $(PYTHON),python3) -m bench.upstream --check $(UPSTREAM_FLAGS)
-	@$(MAKE) --no-print-directory venv MEGATRON_CORE='$(MEGATRON_CORE)' VENV='$(VENV)'
+	@$(MAKE) --no-print-directory venv MEGATRON_CORE='$(MEGATRON_CORE)' VENV='$(VENV)' EXTRAS='$(EXTRAS)' BRIDGE_REQ='$(BRIDGE_REQ)'
 	@$(PY) -m bench.upstream_deps --checkout='$(MEGATRON_LM)'
 	$(if $(strip $(MEGATRON_BRIDGE)),@$(MAKE) --no-print-directory venv STACK=bridge MEGATRON_BRIDGE='$(MEGATRON_BRIDGE)' \
 		MEGATRON_CORE='$(BRIDGE_MEGATRON_CORE)' VENV='$(BRIDGE_VENV)')

@@ -103,6 +103,9 @@ def test_make_upstream_runs_the_checkouts_tests_against_its_own_megatron_core(tm
         f"megatron-core=-e {checkout} megatron-fsdp=-e {checkout}/megatron/core/distributed/fsdp/src"
         in spec[1]
     )
+    # no registry Megatron-Bridge beside a checkout's megatron-core (MEGATRON_BRIDGE's run has its own venv)
+    assert "extras=dev,fully-shard " in spec[1]
+    assert "megatron-bridge" not in spec[1]
     check = plan.index(f"python3 -m bench.upstream --check --megatron-lm='{checkout}/'")
     assert check < plan.index(".venv-newest-upstream/.installed")
     run = plan.index(f".venv-newest-upstream/bin/python -m bench.upstream --megatron-lm='{checkout}/'")
