@@ -278,12 +278,13 @@ upstream:
 		MEGATRON_CORE='$(BRIDGE_MEGATRON_CORE)' VENV='$(BRIDGE_VENV)')
 	$(SCRATCH) $(PY) -m bench.upstream $(UPSTREAM_FLAGS)
 
-# Megatron-Bridge's own Megatron-FSDP test, unchanged, on NPROC CPU ranks (docs/upstream-suites.md, "Megatron-Bridge's
-# test"), in STACK=bridge's venv (.venv-bridge), from the checkout's root (its tests import `tests.…`):
+# Megatron-Bridge's own Megatron-FSDP test group, unchanged, on NPROC CPU ranks (docs/upstream-suites.md,
+# "Megatron-Bridge's test"), in STACK=bridge's venv (.venv-bridge), from the checkout's root (its tests import
+# `tests.…`); BRIDGE_TEST=<node id> runs one of its tests:
 #   make bridge-test MEGATRON_BRIDGE=/path/to/Megatron-Bridge [MEGATRON_CORE="-e /path/to/Megatron-LM"] [JUNIT=path]
 # `-s` sends the last rank's training log to its rank log (BRIDGE_LOGS/torchrun/), whose last loss bench/bridge_loss.py
 # prints and requires finite; JUNIT: rank 0's JUnit file. Nothing is written into the checkout (no .pytest_cache).
-BRIDGE_TEST ?= tests/functional_tests/test_groups/megatron_fsdp/test_megatron_fsdp.py::TestMegatronFSDP::test_fsdp_pretrain_basic
+BRIDGE_TEST ?= tests/functional_tests/test_groups/megatron_fsdp
 BRIDGE_LOGS ?= $(CURDIR)/.pytest_cache/d/mfsdp-logs/bridge
 JUNIT       ?=
 .PHONY: bridge-test

@@ -212,7 +212,7 @@ def test_make_bridge_test_runs_the_test_from_the_checkout_in_the_bridge_venv(tmp
         "--mfsdp-platform=cpu",
         "--mfsdp-foreign-suite=true",
         f"--junitxml='{junit}'",
-        "test_megatron_fsdp.py::TestMegatronFSDP::test_fsdp_pretrain_basic",
+        "'tests/functional_tests/test_groups/megatron_fsdp'",  # the whole Megatron-FSDP group
         "-m bench.bridge_loss",
     ):
         assert argument in plan, plan
@@ -239,7 +239,7 @@ def test_make_upstream_with_megatron_bridge_builds_its_venv_first_on_the_same_me
     flags = plan[run:].splitlines()[0]
     for flag in (
         f"--megatron-bridge='{bridge_checkout}'",
-        "--bridge-test='tests/functional_tests/test_groups/megatron_fsdp/test_megatron_fsdp.py::TestMegatronFSDP::",
+        "--bridge-test='tests/functional_tests/test_groups/megatron_fsdp'",
         f"--bridge-venv='{tmp_path / 'bv'}'",
         f"--bridge-megatron-core='-e {checkout}'",
     ):
