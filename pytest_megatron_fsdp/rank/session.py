@@ -330,10 +330,11 @@ class RankSession:
             time.sleep(0.1)
 
     def abort_default_group(self) -> None:
-        """Close the default group's connections on this rank, keeping every other group: a peer
-        blocked in one of the default group's collectives fails at once ("Connection closed by
-        peer"), where destroying the group would not end its wait. The peers learn of it as of a
-        release (:meth:`collectives_released`); the caller has the group renewed after the test."""
+        """Abort this rank's process groups: torch's ``_abort_process_group`` of the default group
+        aborts every group, without waiting for work in flight, and a peer blocked in a collective
+        with this rank (upstream's barrier of the default group) fails at once ("Connection closed
+        by peer"). The peers learn of it as of a release (:meth:`collectives_released`); the
+        caller has the default group renewed after the test."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
