@@ -29,7 +29,7 @@ from ..wire.platform import select_platform
 from ..wire.reports import not_run_status
 from ..wire.role import PLATFORM, PLUGINS, ProcessRole, Role, RolePlugin
 from ..wire.torchrun_env import TorchrunEnv
-from . import owned_temp
+from . import collection, owned_temp
 from .runner import RankDuties, RankRunner
 from .session import RANK_SESSION, RankSession, check_collectives
 
@@ -216,7 +216,7 @@ class RankPlugin(RolePlugin):
         self.runner.open_log(config)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self.runner.quiet_distributed_logs()
+        self.runner.log.quiet_distributed_logs()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -229,7 +229,7 @@ class RankPlugin(RolePlugin):
                         f"{self.torchrun.world_size} ranks"
                     )
                 )
-        self.runner.select_batch(config, items)  # a launched rank set: the parent's batch
+        collection.select_batch(config, items)  # a launched rank set: the parent's batch
 
     def _shared_root(self, config: pytest.Config) -> str | None:
         return self.kind.shared_root(config, options.session_values(config).shared_dir)

@@ -204,11 +204,11 @@ def test_a_launched_rank_uses_the_settings_its_parent_shipped_and_resolves_none(
     from pytest_megatron_fsdp import plugin as entry
     from pytest_megatron_fsdp.emulation import cpu_mode
     from pytest_megatron_fsdp.environment import DistributedSpec
-    from pytest_megatron_fsdp.rank.runner import RankRunner
+    from pytest_megatron_fsdp.rank.log import RankLog
 
     monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
     monkeypatch.setattr(cpu_mode, "disable", lambda: None)
-    monkeypatch.setattr(RankRunner, "_quiet_terminal", lambda self, config: None)
+    monkeypatch.setattr(RankLog, "quiet_terminal", lambda self, config: None)
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MFSDP_TIMEOUT", "123")
