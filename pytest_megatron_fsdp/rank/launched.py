@@ -14,7 +14,8 @@ from ..wire import protocol
 from ..wire.role import ProcessRole, Role, RolePlugin
 from ..wire.torchrun_env import TorchrunEnv
 from .plugin import register
-from .runner import RankDuties
+from .timeouts import EndAtTimeout
+from .watchdog import TimeoutPolicy
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,10 @@ class LaunchedRank:
     plugin, chose the log dir and shows and writes everything; the batch's working dir, which the
     parent removes even if the rank set is killed, holds the rank's temp dirs."""
 
-    duties: ClassVar[RankDuties] = RankDuties(
-        reports_itself=False,
-        relays_warnings=True,
-        when_it_cannot_go_on="this rank set stops; the later tests run in a fresh one",
-    )
+    reports_itself: ClassVar[bool] = False
+    relays_warnings: ClassVar[bool] = True
+    when_it_cannot_go_on: ClassVar[str] = "this rank set stops; the later tests run in a fresh one"
+    timeouts: ClassVar[TimeoutPolicy] = EndAtTimeout()
     log_dir_chosen_by_parent: ClassVar[bool] = True
 
     def prepare(self, config: pytest.Config, role: ProcessRole) -> bool:

@@ -29,9 +29,10 @@ from ..wire.platform import select_platform
 from ..wire.reports import not_run_status
 from ..wire.role import PLATFORM, PLUGINS, ProcessRole, Role, RolePlugin
 from ..wire.torchrun_env import TorchrunEnv
-from . import owned_temp
-from .runner import RankDuties, RankRunner
+from . import collection, owned_temp
+from .runner import RankRunner
 from .session import RANK_SESSION, RankSession, check_collectives
+from .watchdog import TimeoutPolicy
 
 #: a rank's private temp tree (a torchrun-mode rank's: pytest's basetemp, torch's inductor cache), removed
 #: at exit (:meth:`RankKind.make_own_temp`)
@@ -48,8 +49,22 @@ class RankKind(Protocol):
     in ``create``."""
 
     @property
-    def duties(self) -> RankDuties:
-        """What the rank does that depends on who reports its session (its parent, or its rank 0)."""
+    def reports_itself(self) -> bool:
+        """Whether the rank set reports its own session (rank 0 to the user's terminal, a rank whose
+        test timed out writing its stacks and the ranks' aligned collectives there), or a parent
+        reports everything from the logs."""
+
+    @property
+    def relays_warnings(self) -> bool:
+        """Whether the tests' warnings go to the parent (unless -p no:warnings)."""
+
+    @property
+    def when_it_cannot_go_on(self) -> str:
+        """What becomes of the session when a rank cannot go on with its peers (said in the failure)."""
+
+    @property
+    def timeouts(self) -> TimeoutPolicy:
+        """What the rank does at a test's timeout (:mod:`.timeouts`)."""
 
     @property
     def log_dir_chosen_by_parent(self) -> bool:
@@ -195,7 +210,9 @@ class RankPlugin(RolePlugin):
             unmarked_settings=functools.partial(
                 _settings_without_the_marker, world_size=role.torchrun.world_size
             ),
-            duties=kind.duties,
+            timeouts=kind.timeouts,
+            relays_warnings=kind.relays_warnings,
+            when_it_cannot_go_on=kind.when_it_cannot_go_on,
             distributed_logs=values.distributed_logs,
             private_temp=config.stash.get(RANK_TEMP, None),
             release_test_groups=None
@@ -212,11 +229,12 @@ class RankPlugin(RolePlugin):
     # -- the rank's log -----------------------------------------------------------------------------
 
     def pytest_configure(self, config: pytest.Config) -> None:
-        # called as this plugin is registered
-        self.runner.open_log(config)
+        # called as this plugin is registered; only rank 0 of a rank set that reports itself keeps
+        # the terminal
+        self.runner.open_log(config, quiet_terminal=self.torchrun.rank != 0 or not self.kind.reports_itself)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self.runner.quiet_distributed_logs()
+        self.runner.log.quiet_distributed_logs()
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -229,7 +247,7 @@ class RankPlugin(RolePlugin):
                         f"{self.torchrun.world_size} ranks"
                     )
                 )
-        self.runner.select_batch(config, items)  # a launched rank set: the parent's batch
+        collection.select_batch(config, items)  # a launched rank set: the parent's batch
 
     def _shared_root(self, config: pytest.Config) -> str | None:
         return self.kind.shared_root(config, options.session_values(config).shared_dir)
@@ -331,7 +349,7 @@ class RankPlugin(RolePlugin):
             rank_session.close()
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-        if not self.kind.duties.reports_itself or hasattr(config, "workerinput") or self.torchrun.rank != 0:
+        if not self.kind.reports_itself or hasattr(config, "workerinput") or self.torchrun.rank != 0:
             return  # a parent reports a launched rank set; other ranks must not overwrite rank 0's report
         show_summary(terminalreporter, config, "torchrun")
         not_run = self.runner.not_run_lines()

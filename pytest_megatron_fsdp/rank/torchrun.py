@@ -20,7 +20,8 @@ from ..wire.torchrun_env import TorchrunEnv
 from . import owned_temp
 from .awaiting import AwaitingUse
 from .plugin import RANK_TEMP, RUN_TEMP, RankPlugin, register
-from .runner import RankDuties
+from .timeouts import SurviveTimeouts
+from .watchdog import TimeoutPolicy
 
 #: a torchrun-mode rank whose session has not asked for the plugin yet (see AwaitingUse)
 _AWAITING = pytest.StashKey[bool]()
@@ -33,12 +34,10 @@ class TorchrunRank:
     would stay behind in ``$TMPDIR``. Inert until asked: where no option of the plugin is given, it
     starts only when a test that uses it is collected (:class:`AwaitingUse`)."""
 
-    duties: ClassVar[RankDuties] = RankDuties(
-        reports_itself=True,
-        relays_warnings=False,
-        when_it_cannot_go_on="the session stops (every later test needs all ranks)",
-        survives_timeouts=True,
-    )
+    reports_itself: ClassVar[bool] = True
+    relays_warnings: ClassVar[bool] = False
+    when_it_cannot_go_on: ClassVar[str] = "the session stops (every later test needs all ranks)"
+    timeouts: ClassVar[TimeoutPolicy] = SurviveTimeouts()
     log_dir_chosen_by_parent: ClassVar[bool] = False
 
     def prepare(self, config: pytest.Config, role: ProcessRole) -> bool:

@@ -8,12 +8,12 @@ import sys
 
 
 def test_save_coverage_imports_nothing_and_saves_a_running_measurement(monkeypatch):
-    from pytest_megatron_fsdp.rank.runner import save_coverage
+    from pytest_megatron_fsdp.rank.watchdog import save_coverage
 
     # without a measurement: coverage is not imported to find out (a process of its own, none running)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COVERAGE_")}
     check = (
-        "import sys; from pytest_megatron_fsdp.rank.runner import save_coverage; "
+        "import sys; from pytest_megatron_fsdp.rank.watchdog import save_coverage; "
         "assert save_coverage() is False; assert 'coverage' not in sys.modules, 'imported'"
     )
     subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=120)

@@ -382,13 +382,14 @@ def test_each_process_registers_exactly_one_role_plugin(pytester, monkeypatch, e
     its role's class (a rank's holding its kind), and no other controller or rank plugin."""
     from pytest_megatron_fsdp.emulation import cpu_mode
     from pytest_megatron_fsdp.parent.controller import Controller
+    from pytest_megatron_fsdp.rank.log import RankLog
     from pytest_megatron_fsdp.rank.plugin import RankPlugin
     from pytest_megatron_fsdp.rank.runner import RankRunner
     from pytest_megatron_fsdp.wire.role import RolePlugin, role_of
 
     monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
     monkeypatch.setattr(cpu_mode, "disable", lambda: None)
-    monkeypatch.setattr(RankRunner, "_quiet_terminal", lambda self, config: None)  # keeps this stdout
+    monkeypatch.setattr(RankLog, "quiet_terminal", lambda self, config: None)  # keeps this stdout
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     tmp = pytester.path

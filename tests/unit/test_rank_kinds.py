@@ -20,6 +20,7 @@ from pytest_megatron_fsdp.rank import owned_temp
 from pytest_megatron_fsdp.rank.awaiting import AwaitingUse
 from pytest_megatron_fsdp.rank.launched import LaunchedRank
 from pytest_megatron_fsdp.rank.plugin import KINDS, RANK_TEMP, RUN_TEMP, RankPlugin
+from pytest_megatron_fsdp.rank.timeouts import EndAtTimeout, SurviveTimeouts
 from pytest_megatron_fsdp.rank.torchrun import TorchrunRank
 from pytest_megatron_fsdp.wire import protocol
 from pytest_megatron_fsdp.wire.role import PLUGINS, ProcessRole, Role
@@ -38,12 +39,12 @@ def test_both_rank_roles_register_the_one_rank_plugin_with_their_kind():
 def test_what_a_rank_does_depends_on_who_reports_its_session():
     launched, torchrun = LaunchedRank(), TorchrunRank()
     # a launched rank set: the parent reports, chose the log dir, and runs later tests in a fresh set
-    assert (launched.duties.reports_itself, launched.duties.relays_warnings) == (False, True)
-    assert not launched.duties.survives_timeouts
+    assert (launched.reports_itself, launched.relays_warnings) == (False, True)
+    assert type(launched.timeouts) is EndAtTimeout  # the rank ends at a test's timeout
     assert launched.log_dir_chosen_by_parent
     # the user's torchrun: rank 0 reports, and the session outlives a test's timeout
-    assert (torchrun.duties.reports_itself, torchrun.duties.relays_warnings) == (True, False)
-    assert torchrun.duties.survives_timeouts
+    assert (torchrun.reports_itself, torchrun.relays_warnings) == (True, False)
+    assert type(torchrun.timeouts) is SurviveTimeouts  # the test fails, the session goes on
     assert not torchrun.log_dir_chosen_by_parent
 
 
@@ -204,11 +205,11 @@ def test_a_launched_rank_uses_the_settings_its_parent_shipped_and_resolves_none(
     from pytest_megatron_fsdp import plugin as entry
     from pytest_megatron_fsdp.emulation import cpu_mode
     from pytest_megatron_fsdp.environment import DistributedSpec
-    from pytest_megatron_fsdp.rank.runner import RankRunner
+    from pytest_megatron_fsdp.rank.log import RankLog
 
     monkeypatch.setattr(cpu_mode, "enable", lambda: None)  # no torch in this process
     monkeypatch.setattr(cpu_mode, "disable", lambda: None)
-    monkeypatch.setattr(RankRunner, "_quiet_terminal", lambda self, config: None)
+    monkeypatch.setattr(RankLog, "quiet_terminal", lambda self, config: None)
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MFSDP_TIMEOUT", "123")
