@@ -17,7 +17,7 @@ from .log import RankLog
 from .session import RankSession, SessionCannotGoOn, first_line
 
 #: How long a rank whose foreign test failed outside a collective waits for its peers to be done
-#: with that test before it closes the default group's connections under them (they may wait in a
+#: with that test before it aborts its process groups under them (they may wait in a
 #: collective of it this rank never enters): well inside the watchdog's no-progress bound, long
 #: enough for peers on a loaded machine to finish the test's own work.
 PEERS_IN_THE_TEST_WAIT_S = 15.0
@@ -113,8 +113,8 @@ class OutcomeExchange:
         """A foreign test failed here outside a collective (its own groups are freed already):
         peers still in the test :data:`PEERS_IN_THE_TEST_WAIT_S` later may wait in a collective of
         the default group this rank never enters (Megatron-LM's tests end with
-        ``Utils.destroy_model_parallel()``, a barrier, after their asserts). Closing the default
-        group's connections brings them back, the test fails alone and the next one runs; every
+        ``Utils.destroy_model_parallel()``, a barrier, after their asserts). Aborting this rank's
+        process groups brings them back, the test fails alone and the next one runs; every
         rank renews the default group after it (decided before this rank's outcome is posted, so
         every rank reads the same flag). Peers that are all accounted for (passed, or failed as
         this rank did) keep every group: a class-scoped fixture's group outlives the failure."""
@@ -126,5 +126,5 @@ class OutcomeExchange:
             names = ", ".join(map(str, still))
             self._log.line(
                 f"{item.nodeid}: rank{'s' if len(still) > 1 else ''} {names} still in the test "
-                f"{wait_s:g} s after it failed here: closed the default group's connections"
+                f"{wait_s:g} s after it failed here: aborted this rank's process groups"
             )
