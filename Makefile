@@ -291,7 +291,7 @@ JUNIT       ?=
 bridge-test: venv
 	@rm -rf '$(BRIDGE_LOGS)' && $(SCRATCH) && export TMPDIR && cd '$(_BRIDGE)' && \
 	'$(abspath $(PY))' -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m pytest -p no:cacheprovider \
-		--mfsdp-platform=cpu --mfsdp-foreign-suite=true --mfsdp-log-dir='$(BRIDGE_LOGS)' -s -rs \
+		-p no:randomly --mfsdp-platform=cpu --mfsdp-foreign-suite=true --mfsdp-log-dir='$(BRIDGE_LOGS)' -s -rs \
 		$(if $(JUNIT),--junitxml='$(abspath $(JUNIT))') '$(BRIDGE_TEST)' $(PYTEST_ARGS); status=$$?; \
 	cd '$(CURDIR)' && '$(abspath $(PY))' -m bench.bridge_loss "$(BRIDGE_LOGS)/torchrun/rank$$(($(NPROC) - 1)).log" && \
 	exit $$status

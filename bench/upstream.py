@@ -99,9 +99,11 @@ DEFAULT_MARKERS = "not flaky_in_dev"
 BRIDGE_WORLD_SIZE = 2
 BRIDGE_EXAMPLE = "tests/functional_tests/test_groups/megatron_fsdp"
 #: the pytest arguments of every run: CPU ranks, the foreign-suite mode, nothing written into the
-#: checkout (no .pytest_cache), JUnit with each test's file (xunit1's ``file`` attribute)
+#: checkout (no .pytest_cache), JUnit with each test's file (xunit1's ``file`` attribute), the tests
+#: in upstream's own order (its CI does not shuffle them; pytest-randomly, which this project's dev
+#: tools bring into the venv, would, and a test's outcome may depend on the ones before it)
 PYTEST_ARGS = (
-    "-p", "no:cacheprovider", "--mfsdp-platform=cpu", "--mfsdp-foreign-suite=true",
+    "-p", "no:cacheprovider", "-p", "no:randomly", "--mfsdp-platform=cpu", "--mfsdp-foreign-suite=true",
     "-o", "junit_family=xunit1",
 )  # fmt: skip
 #: the columns of the per-file table, each an outcome of :func:`outcome_of` (time comes last)

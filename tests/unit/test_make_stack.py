@@ -211,6 +211,7 @@ def test_make_bridge_test_runs_the_test_from_the_checkout_in_the_bridge_venv(tmp
     for argument in (
         "--mfsdp-platform=cpu",
         "--mfsdp-foreign-suite=true",
+        "-p no:randomly",
         f"--junitxml='{junit}'",
         "'tests/functional_tests/test_groups/megatron_fsdp'",  # the whole Megatron-FSDP group
         "-m bench.bridge_loss",

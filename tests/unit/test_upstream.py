@@ -256,6 +256,7 @@ def test_each_run_is_torchrun_of_pytest_in_the_foreign_suite_mode(tmp_path: Path
     for flag in ("--mfsdp-platform=cpu", "--mfsdp-foreign-suite=true", f"--junitxml={tmp_path}/ws4.xml"):
         assert flag in command
     assert command[-2:] == [MFSDP, "t.py::x"]
+    assert "no:randomly" in command  # upstream's own order
     assert "-m" not in command[7:]  # no markers: every test
     selected = upstream.Run("ws2", tmp_path, (MFSDP,), 2, markers="not flaky_in_dev").command(
         "p", tmp_path / "j"
