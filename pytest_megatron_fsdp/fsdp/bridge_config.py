@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from . import versions
-from .config import ConfigError, RunConfig, findings, upstream_line, upstream_refusal
+from .config import ConfigError, RunConfig, enable_megatron_fsdp, findings, upstream_line, upstream_refusal
 
 #: Bridge's recipe that builds without the hub: a bare GPTModelProvider, mock data, NullTokenizer
 VANILLA_GPT = "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"
@@ -51,13 +51,9 @@ def recipe(path: str = VANILLA_GPT) -> Any:
 
 
 def apply_seed_override(cfg: Any) -> Any:
-    """The seed's Megatron-FSDP card, on a Bridge ``ConfigContainer``."""
-    cfg.dist.use_megatron_fsdp = True
-    cfg.ddp.use_megatron_fsdp = True
-    cfg.ddp.data_parallel_sharding_strategy = "optim_grads_params"
-    cfg.ddp.average_in_collective = False
-    cfg.checkpoint.ckpt_format = "fsdp_dtensor"
-    return cfg
+    """The seed's Megatron-FSDP card, on a Bridge ``ConfigContainer``: the plugin's own statement of
+    it (:func:`.config.enable_megatron_fsdp`), whose sections and fields are Bridge's."""
+    return enable_megatron_fsdp(cfg)
 
 
 def shrink_for_cpu(cfg: Any) -> Any:
