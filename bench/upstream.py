@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,11 +157,13 @@ class Run:
         selection = ["-m", self.markers] if self.markers else []
         return [
             python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world_size}",
-            "-m", "pytest", *PYTEST_ARGS, *selection, f"--junitxml={junit}", *self.tests,
+            "-m", "pytest", *PYTEST_ARGS, *selection, f"--junitxml={junit}",
+            f"--mfsdp-log-dir={self.log_dir(junit.parent)}", *self.tests,
         ]  # fmt: skip
 
     def log_dir(self, results: Path) -> Path:
-        """Where a make run's rank logs go: next to its JUnit file."""
+        """Where a run's rank logs go: next to its JUnit file, so the paths its failures name outlive
+        the run's scratch directory."""
         return results.resolve() / f"{self.name}-logs"
 
 
@@ -607,6 +610,7 @@ def execute(
     ``wall_s``; whatever it left running afterwards is killed (and counted)."""
     junit, log = results / f"{run.name}.xml", results / f"{run.name}.log"
     junit.unlink(missing_ok=True)  # a previous run's file must not pass for this one's
+    shutil.rmtree(run.log_dir(results), ignore_errors=True)  # nor its rank logs
     start = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(

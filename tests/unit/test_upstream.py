@@ -253,7 +253,13 @@ def test_each_run_is_torchrun_of_pytest_in_the_foreign_suite_mode(tmp_path: Path
         "--nproc_per_node=4",
     ]
     assert command[5:7] == ["-m", "pytest"]
-    for flag in ("--mfsdp-platform=cpu", "--mfsdp-foreign-suite=true", f"--junitxml={tmp_path}/ws4.xml"):
+    for flag in (
+        "--mfsdp-platform=cpu",
+        "--mfsdp-foreign-suite=true",
+        f"--junitxml={tmp_path}/ws4.xml",
+        # the rank logs its failures name, next to the results (not in the run's scratch dir)
+        f"--mfsdp-log-dir={tmp_path.resolve()}/ws4-logs",
+    ):
         assert flag in command
     assert command[-2:] == [MFSDP, "t.py::x"]
     assert "no:randomly" in command  # upstream's own order
