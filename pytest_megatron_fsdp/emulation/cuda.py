@@ -29,6 +29,13 @@ device arguments were all it took). This module gives them those meanings and no
   ``gradient_reduce_div_fusion=True`` path runs on CPU ranks too;
 * ``all_gather`` into outputs of different shapes (NCCL takes them, gloo refuses them) is done as
   one broadcast from each rank in turn (:func:`_uneven_aware_all_gather`);
+* memory a rank allocates without writing (``torch.empty``, ``empty_like``, ``empty_strided``,
+  ``Tensor.new_empty``) reads as NaN (integers: their largest value, bools: True), as torch's own
+  ``torch.utils.deterministic.fill_uninitialized_memory`` fills it: a GPU's caching allocator hands
+  back whatever the last tensor left there, and the CPU heap does too, so a read of memory nobody
+  wrote fails every time instead of whenever the leftovers happen to be NaN (torch's switch comes
+  only with ``torch.use_deterministic_algorithms``, which also changes the code paths megatron
+  takes, so the emulation fills these results itself; see :func:`_filled_as_uninitialised`);
 * every gloo process group gets one worker thread (:class:`InOrderProcessGroupGloo`), so a group's
   collectives run one at a time in issue order, as NCCL runs a communicator's. With torch's two
   threads per group, torch's gloo corrupts the heap when several asynchronous coalesced all-gathers
@@ -293,6 +300,29 @@ def _asked_by_a_cuda_type_checker(depth: int = 2) -> bool:
     return (caller.f_globals.get("__name__"), caller.f_code.co_name) in CUDA_TYPE_CHECKERS
 
 
+#: torch's factories of uninitialised memory, as seen by a torch function mode
+_UNINITIALISED_FACTORIES = frozenset(
+    {torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty}
+)
+
+
+def _filled_as_uninitialised(tensor: Any) -> Any:
+    """``tensor`` (fresh from an uninitialised factory) filled as torch fills uninitialised memory
+    under ``fill_uninitialized_memory``: NaN for floating and complex dtypes, the largest value for
+    integers, True for bools."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta" or tensor.numel() == 0:
+        return tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        value: float | int | bool = float("nan")
+    elif tensor.dtype == torch.bool:
+        value = True
+    else:
+        value = torch.iinfo(tensor.dtype).max
+    with torch.no_grad():
+        tensor.fill_(value)
+    return tensor
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA device arguments to the CPU for every torch call made under it."""
 
@@ -314,6 +344,8 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
+        if func in _UNINITIALISED_FACTORIES:
+            return _filled_as_uninitialised(func(*args, **kwargs))
         return func(*args, **kwargs)
 
 

@@ -149,6 +149,30 @@ def test_cpu_and_dtype_arguments_pass_through(emulation):
     assert torch.zeros(1, device="cpu").device.type == "cpu"
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda dtype: torch.empty(64, dtype=dtype, device="cuda"),
+        lambda dtype: torch.empty(64, dtype=dtype),  # host memory too: the heap hands back leftovers
+        lambda dtype: torch.empty_like(torch.zeros(64, dtype=dtype)),
+        lambda dtype: torch.empty_strided((8, 8), (8, 1), dtype=dtype, device="cuda"),
+        lambda dtype: torch.zeros(1, dtype=dtype).new_empty(64),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.int64, torch.bool])
+def test_uninitialised_memory_reads_as_torch_fills_it(emulation, make, dtype):
+    # the leftovers in a fresh heap block are rarely NaN: without the fill this sees them
+    for _ in range(3):
+        torch.randn(64).mul_(2)  # leave non-NaN values behind in the freed blocks
+    values = make(dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        assert values.isnan().all()
+    elif dtype == torch.bool:
+        assert values.all()
+    else:
+        assert (values == torch.iinfo(dtype).max).all()
+
+
 def test_without_emulation_cuda_requests_still_fail():
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")
