@@ -24,6 +24,8 @@ def summarise(report: pytest.TestReport) -> dict[str, Any]:
     data: dict[str, Any] = {"outcome": report.outcome, "duration": report.duration}
     if report.failed:
         data["text"] = report.longreprtext
+        if getattr(report, "mfsdp_in_a_collective", False):
+            data["in_a_collective"] = True
     elif report.skipped and isinstance(report.longrepr, tuple):
         data["text"] = report.longrepr[2]
     if report.skipped and hasattr(report, "wasxfail"):
@@ -128,22 +130,26 @@ _XPASS_STRICT = "[XPASS(strict)]"
 
 def expected_failure(phase: dict[int, dict[str, Any]]) -> tuple[str, str] | None:
     """(reason, traceback) of a strict xfail whose expected failure came on some ranks while every
-    other rank passed (pytest calls that XPASS(strict) there): a bug that shows on some ranks of a
-    distributed test is the test failing as expected. None when any rank failed otherwise, or no
-    rank failed as expected."""
+    other rank passed (pytest calls that XPASS(strict) there), or failed in a collective (which the
+    ranks that failed as expected, outside it, never entered: its failure only echoes theirs): a
+    bug that shows on some ranks of a distributed test is the test failing as expected. None when
+    any rank failed otherwise, or no rank failed as expected."""
     xfailed = {rank: p for rank, p in phase.items() if "xfailed" in p}
-    others = [p for rank, p in phase.items() if rank not in xfailed]
+    echoed = sorted(rank for rank, p in phase.items() if rank not in xfailed and p.get("in_a_collective"))
+    others = [p for rank, p in phase.items() if rank not in xfailed and rank not in echoed]
     if not xfailed or not all(
         p["outcome"] == "passed" or p.get("text", "").startswith(_XPASS_STRICT) for p in others
     ):
         return None
     first = min(xfailed)
-    passed = sorted(set(phase) - set(xfailed))
-    where = f"failed as expected on {_ranks(sorted(xfailed))}" + (
-        f", passed on {', '.join(map(str, passed))}" if passed else ""
+    passed = sorted(set(phase) - set(xfailed) - set(echoed))
+    where = (
+        f"failed as expected on {_ranks(sorted(xfailed))}"
+        + (f", passed on {', '.join(map(str, passed))}" if passed else "")
+        + (f", failed in a collective they never entered on {', '.join(map(str, echoed))}" if echoed else "")
     )
     reason = xfailed[first]["xfailed"]
-    return (f"{reason} ({where})" if passed else reason), xfailed[first].get("text", "")
+    return (f"{reason} ({where})" if passed or echoed else reason), xfailed[first].get("text", "")
 
 
 def failure_text(failures: dict[int, str], passing: list[int], log_dir: Path) -> str:

@@ -327,6 +327,7 @@ class RankRunner:
             self.log.file.flush()
         if rank_session is not None and (report.failed or (report.skipped and report.when == "call")):
             in_collective = call.excinfo is not None and after_test.raised_in_torch_distributed(call.excinfo)
+            report.mfsdp_in_a_collective = in_collective  # type: ignore[attr-defined]  # to the agreement
             if call.excinfo is not None:
                 after_test.drop_locals(call.excinfo.tb)
             if (

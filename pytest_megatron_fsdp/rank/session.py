@@ -345,6 +345,11 @@ class RankSession:
                 self.store.set(f"released/{self.generation}", str(self.env.rank))
             distributed_c10d._abort_process_group(dist.group.WORLD)
 
+    @property
+    def pg_timeout_s(self) -> float:
+        """How long a collective of the session's groups waits before it fails."""
+        return self._pg_timeout.total_seconds()
+
     def collectives_released(self) -> bool:
         """Whether a failure released this process group (on this rank, or on another one, as told
         through the store): a collective now fails at once or never completes, until the group is

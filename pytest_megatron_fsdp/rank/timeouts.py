@@ -23,6 +23,8 @@ from .watchdog import Expiry, Watchdog, stacks_of_every_thread
 #: release it, a blocking call with the signal blocked) never does. The peers' outcome exchange
 #: waits as long for it.
 RECOVERY_GRACE_S = 20.0
+#: How long past its process group's timeout a collective's failure may take to reach Python.
+COLLECTIVE_MARGIN_S = 5.0
 #: How long after interrupting the main thread the watchdog releases the process group itself, the
 #: main thread not being back in Python by then: a rank stuck outside Python for good would hold
 #: its peers in their collectives with it until the process-group timeout.
@@ -73,15 +75,26 @@ class SurviveTimeouts:
         # are brought back by its release of the group here (gloo sees the connection close; a
         # group's abort or destroy does not end this rank's own wait in a collective).
         watchdog.release_peers()
-        if expiry.done.wait(max(expiry.at + RECOVERY_GRACE_S - time.monotonic(), 0)):
+        # A collective whose peers are stuck too (each waiting on the other, where no release
+        # reaches: gloo closes a group's connections only once no work of it is in flight) fails
+        # at the group's own timeout, which caps every group: the rank comes back by then.
+        bound = watchdog.collective_bound_s()
+        grace = RECOVERY_GRACE_S if bound is None else max(RECOVERY_GRACE_S, bound + COLLECTIVE_MARGIN_S)
+        if grace > RECOVERY_GRACE_S:  # the backup in C, armed for the usual grace, waits as long
+            faulthandler.dump_traceback_later(
+                max(expiry.at + grace - time.monotonic(), 0) + self.backup_after_timeout_s - RECOVERY_GRACE_S,
+                exit=True,
+                file=log.file,
+            )
+        if expiry.done.wait(max(expiry.at + grace - time.monotonic(), 0)):
             return
         watchdog.end_stuck(
             item,
             banner,
             expiry.at,
-            why=explain.main_thread_stuck(item.nodeid, rank, RECOVERY_GRACE_S),
+            why=explain.main_thread_stuck(item.nodeid, rank, grace),
             not_run=explain.not_run(item.nodeid, rank),
-            report_wait_s=RECOVERY_GRACE_S + 7,
+            report_wait_s=grace + 7,
         )
 
     def not_run_after_stuck_peer(self, item: pytest.Item, peer: int) -> str | None:

@@ -192,6 +192,17 @@ class Watchdog:
                 rank_session.release_peers()
             self._on_release()
 
+    def collective_bound_s(self) -> float | None:
+        """How long the collective the main thread waits in can wait at most (the session's
+        process-group timeout, which caps every group), or None when it waits in none."""
+        rank_session: RankSession | None = self.config.stash.get(RANK_SESSION, None)
+        frame = sys._current_frames().get(threading.main_thread().ident or 0)
+        while rank_session is not None and frame is not None:
+            if frame.f_code.co_filename.endswith(_C10D_FILE):
+                return rank_session.pg_timeout_s
+            frame = frame.f_back
+        return None
+
     def end_stuck(
         self, item: pytest.Item, banner: str, expired_at: float, why: str, not_run: str, report_wait_s: float
     ) -> NoReturn:
@@ -237,6 +248,10 @@ class Watchdog:
             shutil.rmtree(rank_session.env.shared_dir, ignore_errors=True)
         if self._private_temp is not None:
             shutil.rmtree(self._private_temp, ignore_errors=True)
+
+
+#: the module of torch's collectives, as it ends a frame's file name
+_C10D_FILE = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 
 def stacks_of_every_thread() -> str:

@@ -79,6 +79,27 @@ def test_4_local_never_runs():
 """
 
 
+#: both ranks wait in C for the other (each in a receive the other never sends): no interruption
+#: reaches them and no release closes a connection with work in flight; the group's own timeout
+#: ({pg} s, past the timeout plus the 20 s the watchdog gives a rank outside a collective) ends both
+MUTUAL = """
+import pytest
+import torch
+import torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+def test_1_both_ranks_receive_from_each_other(dist_env):
+    dist.recv(torch.zeros(2), src=1 - dist_env.rank)
+
+@pytest.mark.distributed(world_size=2)
+def test_2_runs_after_it(dist_env):
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [2.0, 2.0]
+"""
+MUTUAL_PG_TIMEOUT_S = TIMEOUT_S + 25
+
+
 def _cases(junit: ET.Element) -> dict[str, ET.Element]:
     return {case.get("name", ""): case for case in junit.iter("testcase")}
 
@@ -184,6 +205,28 @@ def test_a_rank_stuck_in_c_ends_the_session_with_every_result_reported(inner_ses
     assert "1 failed, 1 passed, 2 not run" in scenario.out, out
     assert "megatron-fsdp: 2 tests not run" in scenario.out, out
     assert "test_stuck.py::test_3_never_runs\n" in scenario.out + "\n", out
+    assert scenario.leftovers == []
+
+
+def test_ranks_stuck_in_a_collective_with_each_other_come_back_at_its_timeout(inner_session):
+    scenario = inner_session(
+        {"test_mutual.py": MUTUAL},
+        f"--mfsdp-timeout={TIMEOUT_S}",
+        f"--mfsdp-pg-timeout={MUTUAL_PG_TIMEOUT_S}",
+        "--junitxml=junit.xml",
+        "--mfsdp-platform=cpu",
+        "--mfsdp-log-dir=logs",
+        torchrun=True,
+        timeout=300,
+    )
+    out = scenario.out + scenario.result.stderr.str()
+    cases = _cases(scenario.junit)
+    assert list(cases) == ["test_1_both_ranks_receive_from_each_other", "test_2_runs_after_it"], out
+    failure = cases["test_1_both_ranks_receive_from_each_other"].find("failure")
+    assert failure is not None, ET.tostring(cases["test_1_both_ranks_receive_from_each_other"]).decode()
+    assert list(cases["test_2_runs_after_it"]) == [], out  # passed: the session went on
+    assert "1 failed, 1 passed" in scenario.out, out
+    assert "not run" not in scenario.out, out
     assert scenario.leftovers == []
 
 

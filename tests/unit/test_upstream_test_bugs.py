@@ -65,6 +65,24 @@ def test_a_strict_xfail_failing_on_some_ranks_and_passing_on_the_others_failed_a
     assert expected_failure({r: _phase("skipped", "E", xfailed="bug") for r in (0, 1)}) == ("bug", "E")
 
 
+def test_a_collective_failing_beside_it_echoes_the_expected_failure():
+    # ranks 1 and 2 failed as expected outside the collective rank 0 waited in; their release of
+    # the group the test made ended rank 0's wait
+    closed = "RuntimeError: Connection closed by peer"
+    phase = {
+        0: {**_phase("failed", closed), "in_a_collective": True},
+        1: _phase("skipped", "AssertionError: nan", xfailed="bug"),
+        2: _phase("skipped", "AssertionError: nan", xfailed="bug"),
+    }
+    assert expected_failure(phase) == (
+        "bug (failed as expected on ranks 1, 2, failed in a collective they never entered on 0)",
+        "AssertionError: nan",
+    )
+    # not without the ranks that failed as expected, nor beside a failure outside a collective
+    assert expected_failure({0: phase[0], 1: _phase("passed")}) is None
+    assert expected_failure({**phase, 3: _phase("failed", "ValueError: boom")}) is None
+
+
 def test_any_other_failure_beside_it_is_a_failure():
     phase = {0: _phase("failed", "ValueError: boom"), 1: _phase("skipped", "E", xfailed="bug")}
     assert expected_failure(phase) is None
