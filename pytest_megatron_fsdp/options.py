@@ -27,6 +27,7 @@ from .fsdp.presets import PRESETS
 from .wire import coexist
 from .wire.cpu_probe import CPU_SPEEDS
 from .wire.protocol import MARKER, add_internal_options
+from .wire.torchrun_env import TorchrunEnv
 
 PREFIX = "mfsdp"
 PLATFORMS = ("auto", "cpu", "cuda")
@@ -392,6 +393,16 @@ OPTIONS: dict[str, Option] = {
             chain=(MarkerKwarg(CONFIG_MARKER, "use_megatron_fsdp"), *SESSION_CHAIN),
         ),
         Option(
+            "bridge-rules",
+            "check the session's starting config with Megatron-Bridge's own validate() too, before any "
+            "rank starts: Bridge's vanilla GPT recipe, the Megatron-FSDP override (enable_megatron_fsdp) and the "
+            "--mfsdp-set assignments, as a rank of 2 (needs megatron-bridge; a fresh interpreter imports it, "
+            "about 20 s; default false)",
+            _boolean,
+            False,
+            "true|false",
+        ),
+        Option(
             "distributed-logs",
             "keep torch.distributed's own DEBUG/INFO log records (DCP's per-call event log, c10d's) in "
             "captured logs; default false: only their warnings and errors, the rest is noise in reports",
@@ -548,6 +559,7 @@ class SessionValues:
     pg_timeout: float
     set: tuple[str, ...]
     use_megatron_fsdp: bool
+    bridge_rules: bool
     distributed_logs: bool
     debug_collectives: bool
     foreign_suite: bool
@@ -608,6 +620,8 @@ def check_at_configure(config: pytest.Config) -> SessionValues:
     values = SessionValues.from_settings(settings)
     if values.set or values.preset:
         _check_starting_config(values)
+    if values.bridge_rules:
+        _check_with_bridge(values)
     return values
 
 
@@ -659,6 +673,61 @@ def _check_starting_config(values: SessionValues) -> None:
     # no --mfsdp-set: the preset alone is refused (e.g. a HybridModel preset without HybridModel)
     name = "set" if values.set else "preset"
     raise OptionError(f"{OPTIONS[name].where(values.source_of(name))}: {problems[0]}")
+
+
+#: what a fresh interpreter runs for --mfsdp-bridge-rules: Bridge imported with the TE stand-in and its
+#: validate switched for CPU, as on a CPU rank (a process of its own: the session's own process imports
+#: no megatron before its ranks' CUDA emulation, and keeps the stand-in out of its modules)
+_BRIDGE_CHECK = """
+import json, sys
+from pytest_megatron_fsdp.foreign import bridge
+bridge.watch()
+from pytest_megatron_fsdp.fsdp import bridge_config
+print(json.dumps({"refusal": bridge_config.session_refusal(**json.loads(sys.argv[1]))}))
+"""
+#: how long Bridge's check may take (its imports take about 20 s on a 2-core box)
+BRIDGE_CHECK_TIMEOUT_S = 300.0
+
+
+def _check_with_bridge(values: SessionValues) -> None:
+    """``--mfsdp-bridge-rules``: the session's starting config refused by Megatron-Bridge's own
+    validation is one usage line, before any rank starts."""
+    import json
+    import subprocess
+    import sys
+
+    from .fsdp import versions
+
+    where = f"{OPTIONS['bridge-rules'].where(values.source_of('bridge-rules'))}=true"
+    problem = versions.megatron_bridge_problem()
+    if problem is not None:
+        raise OptionError(f"{where}: {problem}; leave it off on this stack")
+    rank = TorchrunEnv(
+        rank=0, world_size=DEFAULT_WORLD_SIZE, local_rank=0, local_world_size=DEFAULT_WORLD_SIZE
+    )
+    arguments = {
+        "assignments": list(values.set),
+        "use_megatron_fsdp": values.use_megatron_fsdp,
+        "environ": rank.environ(),
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _BRIDGE_CHECK, json.dumps(arguments)],
+            capture_output=True,
+            text=True,
+            timeout=BRIDGE_CHECK_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise OptionError(
+            f"{where}: Megatron-Bridge's check took over {BRIDGE_CHECK_TIMEOUT_S:g} s"
+        ) from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OptionError(f"{where}: Megatron-Bridge's check failed (exit {done.returncode}): {last}")
+    refusal = json.loads(lines[-1])["refusal"]
+    if refusal is not None:
+        raise OptionError(f"{where}: {refusal}")
 
 
 # -- torchrun mode, launched rank sets --------------------------------------------------------------

@@ -5,8 +5,9 @@ the seed's config is Bridge's own ``ConfigContainer``: Bridge's recipe function,
 override (:func:`apply_seed_override`) and a CPU-sized model (:func:`shrink_for_cpu`), checked by Bridge's
 own ``runtime_config_update`` (what ``pretrain()`` runs first: the mixed-precision string resolved, the
 data-parallel size computed, then ``ConfigContainer.validate()``). It runs in a plain process: no process
-group, no CUDA; Bridge reads the world size from the environment. The session start does not call it yet:
-the tests do (``tests/unit/test_bridge_config.py``).
+group, no CUDA; Bridge reads the world size from the environment. A session asks for it with
+``--mfsdp-bridge-rules`` (:func:`session_refusal`, in a fresh interpreter the parent starts before any
+rank); the tests call it too (``tests/unit/test_bridge_config.py``).
 
 A refusal is worded once, by the plugin's own rules (:mod:`.config`): the config is mirrored into a
 :class:`RunConfig` (:func:`run_config_of`) and the first rule that refuses it gives the line (field,
@@ -25,7 +26,7 @@ import contextlib
 import dataclasses
 import importlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from . import versions
@@ -99,6 +100,47 @@ def set_field(cfg: Any, dotted: str, value: Any) -> None:
     if not hasattr(target, name):
         raise AttributeError(f"Megatron-Bridge's config has no field {dotted!r}")
     setattr(target, name, value)
+
+
+def apply_assignments(cfg: Any, assignments: Sequence[str]) -> list[str]:
+    """The ``--mfsdp-set`` assignments (Bridge's names) on Bridge's ``cfg``, each value typed as the
+    plugin's :class:`RunConfig` types it; returns the fields Bridge's config does not have (the
+    plugin's preset and free-form fields), left out."""
+    left_out = []
+    for text in assignments:
+        scratch = RunConfig()
+        scratch.assign(text)
+        dotted = text.partition("=")[0].strip()
+        section_name, _, name = dotted.partition(".")
+        section = getattr(scratch, section_name)
+        if name in {f.name for f in dataclasses.fields(section)}:
+            value = getattr(section, name)
+        else:  # a megatron-core field the section does not spell out: ddp.extra, model.overrides
+            value = (section.extra if section_name == "ddp" else section.overrides)[name]
+        try:
+            set_field(cfg, dotted, value)
+        except AttributeError:
+            left_out.append(dotted)
+    return left_out
+
+
+def session_refusal(
+    assignments: Sequence[str], use_megatron_fsdp: bool, environ: Mapping[str, str]
+) -> str | None:
+    """A session's starting config as Bridge's: its vanilla GPT recipe shrunk for CPU ranks, the seed's
+    Megatron-FSDP override where the session wraps with Megatron-FSDP, the session's ``--mfsdp-set``
+    assignments, checked by Bridge's own validation as a rank with ``environ`` (a rank's torchrun
+    variables: Bridge reads the world size there): the refusal's one line, or None where Bridge
+    accepts it."""
+    cfg = shrink_for_cpu(recipe())
+    if use_megatron_fsdp:
+        cfg = apply_seed_override(cfg)
+    apply_assignments(cfg, assignments)
+    try:
+        validate_bridge_config(cfg, environ)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def run_config_of(cfg: Any) -> RunConfig:

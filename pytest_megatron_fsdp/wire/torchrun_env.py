@@ -42,3 +42,12 @@ class TorchrunEnv:
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             run_id=environ.get("TORCHELASTIC_RUN_ID", ""),
         )
+
+    def environ(self) -> dict[str, str]:
+        """The variables a process reads as this rank (what :meth:`from_environ` parses back)."""
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+        }

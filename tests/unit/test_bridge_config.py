@@ -108,6 +108,26 @@ def test_a_refusal_no_plugin_rule_makes_is_worded_from_bridges_message(bridge):
     assert "\n" not in str(raised.value)
 
 
+def test_a_session_asking_for_bridges_rules_is_refused_by_bridge_in_one_line_before_any_test(pytester):
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    only_bridge_refuses = "--mfsdp-set=ddp.fsdp_manual_registration=true"  # it needs ddp.nccl_ub
+    refused = pytester.runpytest_inprocess(
+        "-p", "no:randomly", "--mfsdp-bridge-rules=true", only_bridge_refuses
+    )
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR, refused.stdout.str() + refused.stderr.str()
+    lines = [line for line in refused.errlines if "bridge-rules" in line]
+    assert len(lines) == 1, refused.errlines
+    assert lines[0].startswith(
+        f"ERROR: --mfsdp-bridge-rules=true: Megatron-Bridge {versions.BRIDGE_RELEASE} refuses the config: "
+    ), lines
+    assert "fsdp_manual_registration" in lines[0]
+    assert "passed" not in refused.stdout.str()  # no test ran
+    # the plugin's own rules accept it: without the option the session runs
+    pytester.runpytest_inprocess("-p", "no:randomly", only_bridge_refuses).assert_outcomes(passed=1)
+    # a config Bridge accepts (the seed's override on its recipe) runs with the option
+    pytester.runpytest_inprocess("-p", "no:randomly", "--mfsdp-bridge-rules=true").assert_outcomes(passed=1)
+
+
 def test_the_plugins_rules_agree_with_bridges_validation_on_every_case(bridge):
     from pytest_megatron_fsdp.fsdp import bridge_parity
 

@@ -63,3 +63,15 @@ def test_a_configured_session_stashes_its_values_and_their_sources(pytester, mon
         "golden": "--mfsdp-golden",
         "reruns": "default",
     }
+
+
+def test_bridges_rules_asked_for_without_bridge_is_one_usage_line(pytester, monkeypatch):
+    from pytest_megatron_fsdp.fsdp import versions
+
+    monkeypatch.setattr(versions, "megatron_bridge_problem", lambda: "megatron-bridge is not installed (why)")
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "--mfsdp-bridge-rules=true")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if "bridge-rules" in line] == [
+        "ERROR: --mfsdp-bridge-rules=true: megatron-bridge is not installed (why); leave it off on this stack"
+    ]
