@@ -395,9 +395,9 @@ OPTIONS: dict[str, Option] = {
         Option(
             "bridge-rules",
             "check the session's starting config with Megatron-Bridge's own validate() too, before any "
-            "rank starts: Bridge's vanilla GPT recipe, the Megatron-FSDP override (enable_megatron_fsdp) and the "
-            "--mfsdp-set assignments, as a rank of 2 (needs megatron-bridge; a fresh interpreter imports it, "
-            "about 20 s; default false)",
+            "rank starts: Bridge's vanilla GPT recipe, the Megatron-FSDP override (enable_megatron_fsdp) "
+            "and the --mfsdp-set assignments, as a rank of 2 (needs megatron-bridge; a fresh interpreter "
+            "imports it, about 20 s; default false)",
             _boolean,
             False,
             "true|false",
