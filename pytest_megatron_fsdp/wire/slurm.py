@@ -35,6 +35,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .torchrun_env import TorchrunEnv
+
 #: derived rendezvous ports: PORT_BASE + SLURM_JOB_ID mod PORT_SPAN
 PORT_BASE = 20000
 PORT_SPAN = 10000
@@ -64,14 +66,15 @@ class SlurmStep:
 
     def torchrun_variables(self) -> dict[str, str]:
         """The variables torchrun would have given this rank."""
-        return {
-            "RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(self.local_rank),
-            "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(self.master_port),
-        }
+        rank = TorchrunEnv(
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            self.local_world_size,
+            self.master_addr,
+            self.master_port,
+        )
+        return rank.environ()
 
     def describe(self) -> str:
         return (

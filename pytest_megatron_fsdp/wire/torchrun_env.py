@@ -44,10 +44,14 @@ class TorchrunEnv:
         )
 
     def environ(self) -> dict[str, str]:
-        """The variables a process reads as this rank (what :meth:`from_environ` parses back)."""
-        return {
+        """The variables torchrun gives this rank (what :meth:`from_environ` parses back); the store's
+        address where it has a port."""
+        variables = {
             "RANK": str(self.rank),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(self.local_rank),
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
         }
+        if self.master_port is not None:
+            variables |= {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        return variables
