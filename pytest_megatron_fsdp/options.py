@@ -609,9 +609,11 @@ def add_options(parser: pytest.Parser) -> None:
     add_internal_options(group)
 
 
-def check_at_configure(config: pytest.Config) -> SessionValues:
+def check_at_configure(config: pytest.Config, *, parent_checked: bool = False) -> SessionValues:
     """Every option's session value, looked up once, so that a bad value anywhere fails at
-    configure time; the config every test starts from is checked too where options shape it."""
+    configure time; the config every test starts from is checked too where options shape it.
+    ``parent_checked``: a rank its parent launched, which checked that config before any rank
+    started (each rank of a set would otherwise start Bridge's interpreter again)."""
     settings = {name: value_of(config, name) for name in OPTIONS}
     golden = settings["golden"]
     if golden.value is not None:
@@ -620,7 +622,7 @@ def check_at_configure(config: pytest.Config) -> SessionValues:
     values = SessionValues.from_settings(settings)
     if values.set or values.preset:
         _check_starting_config(values)
-    if values.bridge_rules:
+    if values.bridge_rules and not parent_checked:
         _check_with_bridge(values)
     return values
 

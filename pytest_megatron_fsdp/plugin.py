@@ -60,9 +60,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "run_config overrides for one test (wins over --mfsdp-use-megatron-fsdp / --mfsdp-set); "
         "megatron_fsdp_version=2 and hybrid=True skip where megatron-core lacks V2 / HybridModel",
     )
-    values = config.stash[options.SESSION_VALUES] = options.check_at_configure(config)
-    config.stash[RANK_SESSION] = None
     role = role_of(config)
+    values = config.stash[options.SESSION_VALUES] = options.check_at_configure(
+        config, parent_checked=role.role is Role.LAUNCHED_RANK
+    )
+    config.stash[RANK_SESSION] = None
     plugin = role.plugin_class.create(config, role, values)
     config.pluginmanager.register(plugin, plugin.NAME)
     plugin.registered()

@@ -75,3 +75,15 @@ def test_bridges_rules_asked_for_without_bridge_is_one_usage_line(pytester, monk
     assert [line for line in result.errlines if "bridge-rules" in line] == [
         "ERROR: --mfsdp-bridge-rules=true: megatron-bridge is not installed (why); leave it off on this stack"
     ]
+
+
+def test_bridges_rules_are_checked_once_in_plain_mode_by_the_parent(pytester, monkeypatch):
+    """A rank its parent launched does not check again what its parent checked before starting it
+    (its pytest gets the flag too): one fresh interpreter for Bridge per session, not one per rank."""
+    from pytest_megatron_fsdp.fsdp import versions
+
+    monkeypatch.setattr(versions, "megatron_bridge_problem", lambda: "megatron-bridge is not installed (why)")
+    config = pytester.parseconfig("--mfsdp-bridge-rules=true")
+    assert options.check_at_configure(config, parent_checked=True).bridge_rules is True
+    with pytest.raises(options.OptionError, match="megatron-bridge is not installed"):
+        options.check_at_configure(config)
