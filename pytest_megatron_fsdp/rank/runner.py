@@ -23,7 +23,6 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Literal
 
 import pytest
 
@@ -31,6 +30,7 @@ from ..environment import DistributedSpec
 from ..wire import explain, protocol, pytest_compat, rank_dir, warnings_relay
 from ..wire.explain import headlined_failure
 from ..wire.protocol import spec_of
+from ..wire.reports import build_report
 from ..wire.torchrun_env import TorchrunEnv
 from . import after_test, collection
 from .exchange import OutcomeExchange
@@ -257,16 +257,37 @@ class RankRunner:
         except pytest.fail.Exception as exc:
             if not self._watchdog.interrupt.fired:
                 raise
-            with contextlib.suppress(Exception):  # the fixtures' teardown, as far as it goes
-                pytest_compat.teardown_local_state(item, nextitem)
-            interruption: BaseException = exc
-            when: Literal["call", "teardown"] = "teardown" if reports else "call"
-            call = pytest.CallInfo.from_call(functools.partial(_raise, interruption), when)
-            reports.append(pytest.TestReport.from_item_and_call(item, call))
-            after_test.drop_locals(exc.__traceback__)
-            rank_session.release_peers()
+            reports = [self._interrupted_between_phases(item, nextitem, exc)]
+            with contextlib.suppress(Exception):  # a group its watchdog released already
+                rank_session.release_peers()
             self._exchange.mark_released()
         return reports
+
+    def _interrupted_between_phases(
+        self, item: pytest.Item, nextitem: pytest.Item | None, interruption: BaseException
+    ) -> pytest.TestReport:
+        """The test's failure when its interruption was raised in pytest's own code: its fixtures
+        torn down as far as they go, the failure reported as the call's. Whatever else goes wrong
+        on the way (a fixture's teardown that fails, a report pytest cannot render from frames a
+        released group left behind) is logged and the test fails all the same: an error here
+        would end the session (an INTERNALERROR) with every later test lost."""
+        try:
+            pytest_compat.teardown_local_state(item, nextitem)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001  (a fixture's pytest.fail is no Exception)
+            self.log.line(f"{item.nodeid}: its fixtures' teardown after the interruption: {exc!r}")
+        try:
+            call = pytest.CallInfo.from_call(functools.partial(_raise, interruption), "call")
+            report = pytest.TestReport.from_item_and_call(item, call)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001  (a second interruption is no Exception either)
+            trace = "".join(traceback.format_exception(exc))
+            self.log.line(f"{item.nodeid}: reporting its interruption: {trace}")
+            report = build_report(item, "call", "failed", headlined_failure(item, str(interruption)))
+        after_test.drop_locals(interruption.__traceback__)
+        return report
 
     def _alone(
         self, item: pytest.Item, reports: list[pytest.TestReport], why: str
