@@ -1,8 +1,9 @@
-"""CPU ranks for Megatron-FSDP: the CUDA-on-CPU emulation and the one Megatron log line it causes.
+"""CPU ranks for Megatron-FSDP: the CUDA-on-CPU emulation, megatron-core's Adam as a GPU runner's
+keeps state (:mod:`.fused_adam`), and the one Megatron log line the emulation causes.
 
-A CPU rank turns both on before any conftest or test module imports megatron, and off at its end.
-The emulation itself (:mod:`.cuda`) patches torch only; what is Megatron's here
-is the logger names and the message the emulation makes Megatron-FSDP log.
+A CPU rank turns them on before any conftest or test module imports megatron, and off at its end.
+The emulation itself (:mod:`.cuda`) patches torch only; what is Megatron's here is the optimizer
+module's Adam, the logger names and the message the emulation makes Megatron-FSDP log.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ def enable() -> None:
     """The emulation on (imports torch), the emulation's log line filtered out. Raises
     :class:`EmulationTooLate` where megatron was imported first."""
     from . import cuda as cuda_emulation
+    from . import fused_adam
 
     try:
         cuda_emulation.enable()
     except cuda_emulation.EmulationOrderError as exc:
         raise EmulationTooLate(str(exc)) from None
+    fused_adam.install()
     for name in MEGATRON_FSDP_LOGGERS:
         logging.getLogger(name).addFilter(EMULATED_DEVICE_WARNING)
 
@@ -67,8 +70,10 @@ def before_foreign_test() -> None:
 def disable() -> None:
     from . import cuda as cuda_emulation
     from . import foreign as foreign_emulation
+    from . import fused_adam
 
     foreign_emulation.disable()  # the layer over the emulation first
+    fused_adam.uninstall()
     cuda_emulation.disable()
     for name in MEGATRON_FSDP_LOGGERS:
         logging.getLogger(name).removeFilter(EMULATED_DEVICE_WARNING)

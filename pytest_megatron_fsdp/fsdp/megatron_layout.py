@@ -74,12 +74,14 @@ def optimizer_state_dict(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The optimizer's fsdp_dtensor state dict, and the same with one key space on every rank.
 
-    megatron-core 0.16's DistributedOptimizer only has state for parameters whose local shard
-    is non-empty, and a run that has not stepped yet has none at all, so each rank's ``state``
-    names different parameters. DCP and ``preprocess_state_dict_for_uneven_dtensor`` need every
-    rank to present the same DTensor keys in the same order (they run collectives per key); ranks
-    add a zero placeholder, sharded like the parameter, for every parameter without state (newer
-    Megatron-FSDP does the same). Returns (the optimizer's own dict, the dict to hand to DCP);
+    A run that has not stepped yet has no optimizer state at all, and an optimizer that keeps
+    state only for parameters with a gradient (torch's Adam; CPU ranks install one that keeps it
+    for all, as Transformer Engine's FusedAdam does: ``emulation/fused_adam.py``) has none for a
+    parameter whose local shard is empty, so each rank's ``state`` may name different parameters.
+    DCP and ``preprocess_state_dict_for_uneven_dtensor`` need every rank to present the same
+    DTensor keys in the same order (they run collectives per key); ranks add a zero placeholder,
+    sharded like the parameter, for every parameter without state. Returns (the optimizer's own
+    dict, the dict to hand to DCP);
     their per-parameter entries are shared.
 
     Megatron-LM asks with ``is_loading=True`` before a load, which takes a dummy optimizer step so
@@ -395,22 +397,34 @@ def load_state_dict(run: MegatronCoreRun, metadata: Metadata) -> LoadState:
 def install_optimizer_state(run: MegatronCoreRun, loaded: LoadState) -> None:
     """Hand the loaded optimizer state to the optimizer (after ``dcp.load``).
 
-    Parameters get state where the optimizer keeps state: those it had state for, and those whose
-    local shard is not empty (megatron-core 0.16 keeps none for an empty shard; its dummy step
-    would not create any either).
+    Parameters get state where the optimizer keeps state: every parameter where its step makes
+    state for all of them, else those it had state for and those whose local shard is not empty
+    (an optimizer that keeps state only for parameters with a gradient has none for an empty
+    shard; megatron-core's dummy step skips empty shards too).
     """
 
     def holds(entry: dict[str, Any]) -> bool:
         exp_avg = entry["exp_avg"]
         return (exp_avg.to_local() if isinstance(exp_avg, DTensor) else exp_avg).numel() > 0
 
+    every = _keeps_state_for_every_parameter(run.optimizer)
     state = {
         name: entry
         for name, entry in loaded.optimizer["state"].items()
-        if name in loaded.had_state or holds(entry)
+        if every or name in loaded.had_state or holds(entry)
     }
     run.optimizer.load_state_dict(
         {"state": state, "param_to_group_meta": loaded.optimizer["param_to_group_meta"]}
+    )
+
+
+def _keeps_state_for_every_parameter(optimizer: Any) -> bool:
+    """Whether the torch optimizer inside megatron-core's makes state for every parameter of its
+    groups at a step, also one without a gradient: Transformer Engine's FusedAdam, and the stand-in
+    CPU ranks give megatron-core in its place (which says so); torch's and Apex's do not."""
+    inner = type(getattr(optimizer, "optimizer", None))
+    return bool(getattr(inner, "keeps_state_for_every_parameter", False)) or inner.__module__.startswith(
+        "transformer_engine."
     )
 
 

@@ -67,3 +67,27 @@ def test_swiglu_halves_on_disk_are_the_gate_and_the_linear_half(
         assert torch.equal(v, linear), f"{key}_v on disk is not the second half of {key}"
     for key in fc2:
         assert torch.equal(disk[key], weights[key]), f"{key} on disk differs from the model's"
+
+
+def test_every_rank_has_optimizer_state_for_the_same_parameters(megatron_fsdp_run, run_config):
+    """megatron-core's own fsdp_dtensor optimizer state (what Megatron-LM's and Bridge's saves hand
+    to ``preprocess_state_dict_for_uneven_dtensor``, one collective per DTensor) names the same
+    parameters on every rank after training, as it does on GPUs (TE's FusedAdam makes state for
+    every parameter, also one whose local shard is empty and gets no gradient). With torch's Adam
+    on CPU ranks it named 7 parameters on one rank and 24 on the other, and a save hung."""
+    from pytest_megatron_fsdp.fsdp import megatron_layout
+    from pytest_megatron_fsdp.fsdp.collectives import gather_objects
+
+    run = megatron_fsdp_run(run_config)
+    run.train(2)
+    model = megatron_layout.model_state_dict(run)
+    own = run.optimizer.sharded_state_dict(
+        model, is_loading=False, metadata=megatron_layout.OPTIMIZER_METADATA
+    )
+    names = sorted(own["state"])
+    empty = [n for n, p in run.model.named_parameters() if p.requires_grad and p.to_local().numel() == 0]
+    per_rank = gather_objects((names, empty))
+    assert any(rank_empty for _, rank_empty in per_rank), "no rank has an empty shard: nothing shown"
+    assert all(rank_names == per_rank[0][0] for rank_names, _ in per_rank), [len(n) for n, _ in per_rank]
+    trainable = sum(1 for p in run.model.parameters() if p.requires_grad)
+    assert len(names) == trainable, (len(names), trainable)
