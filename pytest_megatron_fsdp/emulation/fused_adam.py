@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from . import import_hooks
+
 #: the megatron-core module that picks the Adam class
 OPTIMIZER_MODULE = "megatron.core.optimizer"
 #: the keywords of TE's FusedAdam that torch's Adam has no counterpart for
@@ -117,8 +119,7 @@ class _Installed:
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds megatron-core's optimizer module through the other finders and patches it once its
-    code has run."""
+    """Patches megatron-core's optimizer module once its code has run (the other finders find it)."""
 
     def __init__(self, installed: _Installed) -> None:
         self.installed = installed
@@ -128,33 +129,8 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != OPTIMIZER_MODULE:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _PatchingLoader(spec.loader, self.installed)
-                return spec
-            if spec is not None:
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, installed: _Installed) -> None:
-        self.loader = loader
-        self.installed = installed
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        module: ModuleType | None = self.loader.create_module(spec)
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        self.installed.patch(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ...: the real loader's
-        return getattr(self.loader, name)
+        after = self.installed.patch
+        return import_hooks.wrapped_spec(self, fullname, path, target, import_hooks.nothing, after)
 
 
 _installed: _Installed | None = None

@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ..emulation import import_hooks
+from ..emulation.import_hooks import nothing as _nothing
+
 __all__ = [
     "LORA_MODULE",
     "MODEL_SWITCHES",
@@ -178,36 +181,6 @@ def _switch_validate(module: ModuleType) -> None:
 # -- the import hook --------------------------------------------------------------------------------
 
 
-class _Loader(importlib.abc.Loader):
-    """The real loader of a watched module, with what the hook does before and after its code runs."""
-
-    def __init__(
-        self,
-        real: importlib.abc.Loader,
-        before: Callable[[ModuleType], None],
-        after: Callable[[ModuleType], None],
-    ) -> None:
-        self.real = real
-        self.before = before
-        self.after = after
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.real.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.before(module)
-        self.real.exec_module(module)
-        self.after(module)
-
-    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... as the real loader answers
-        return getattr(self.real, name)
-
-
-def _nothing(module: ModuleType) -> None:
-    """The step of a wrapped import with nothing to do (a module changed only before, or only
-    after, its code runs)."""
-
-
 class _BridgeHook(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path``: notes that Bridge is imported, wraps the loaders of the watched
     modules, and answers None for every name (the other finders find them)."""
@@ -221,27 +194,9 @@ class _BridgeHook(importlib.abc.MetaPathFinder):
         if fullname == "megatron.bridge" or fullname.startswith("megatron.bridge."):
             self.seen = True
         if fullname == LORA_MODULE and _te_missing():
-            return self._wrapped(fullname, path, target, before=_give_te_stand_in, after=_nothing)
+            return import_hooks.wrapped_spec(self, fullname, path, target, _give_te_stand_in, _nothing)
         if fullname == CONFIG_MODULE:
-            return self._wrapped(fullname, path, target, before=_nothing, after=_switch_validate)
-        return None
-
-    def _wrapped(
-        self,
-        fullname: str,
-        path: Sequence[str] | None,
-        target: ModuleType | None,
-        before: Callable[[ModuleType], None],
-        after: Callable[[ModuleType], None],
-    ) -> importlib.machinery.ModuleSpec | None:
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader, before, after)
-                return spec
+            return import_hooks.wrapped_spec(self, fullname, path, target, _nothing, _switch_validate)
         return None
 
 
