@@ -52,6 +52,17 @@ FAKE_BRIDGE = {
                 self.seen = dict(vars(self.model), pin_memory=self.dataset.pin_memory,
                                  compile_disabled=torch._dynamo.config.disable)
     ''',
+    # initialize_megatron compiles megatron-core's dataset helpers (the real one imports compile_helpers
+    # from megatron.core.datasets.utils, which runs make there)
+    "megatron/bridge/training/initialize.py": """
+        compiled = []
+
+        def compile_helpers():
+            compiled.append("make")
+
+        def initialize_megatron():
+            compile_helpers()
+    """,
     # a module of another suite that asks for TE as megatron-core does
     "other_suite_module.py": """
         try:

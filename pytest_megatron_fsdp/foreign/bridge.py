@@ -12,13 +12,18 @@ configuration:
   ``transformer_engine`` get a stand-in: a call of anything in it raises ``ModuleNotFoundError`` for
   ``transformer_engine`` (a ``GPU-only: Transformer Engine`` skip). No other module sees it:
   megatron-core still finds no TE and takes its non-TE paths.
+* Bridge's ``initialize_megatron`` runs ``make`` in megatron-core's ``datasets`` folder to compile
+  its C++ dataset helpers, and exits when that fails. megatron-core's wheel ships them compiled
+  (``helpers_cpp``) and no Makefile, so ``pretrain()`` on a registry install exits there, on GPUs as
+  on CPU ranks. Where the compiled helpers import and no Makefile is beside them, that one call is
+  skipped (a checkout with its Makefile still compiles).
 * ``ConfigContainer.validate`` (Bridge's check of a training configuration, run by ``pretrain``)
   first switches off in the model what needs a GPU (:data:`MODEL_SWITCHES`; Bridge's default TE layer
   spec becomes its local one), pinned memory in the dataset, and torch.compile for the rest of the
   process (:data:`SWITCHES`).
 
 Applied only once Bridge is imported: :func:`watch` puts an import hook first on ``sys.meta_path``
-that acts on the two Bridge modules above and answers no other name, so a suite that never imports
+that acts on the three Bridge modules above and answers no other name, so a suite that never imports
 ``megatron.bridge`` (Megatron-LM's) runs as without it. :func:`unwatch` undoes all of it. Imports no
 pytest.
 """
@@ -32,6 +37,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -52,6 +58,10 @@ __all__ = [
 #: the Bridge module that imports Transformer Engine at its top; the one whose config check is switched
 LORA_MODULE = "megatron.bridge.peft.lora_layers"
 CONFIG_MODULE = "megatron.bridge.training.config"
+#: the Bridge module whose initialisation compiles megatron-core's dataset helpers
+INITIALIZE_MODULE = "megatron.bridge.training.initialize"
+#: megatron-core's C++ dataset helpers, compiled
+HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
 #: where Bridge's GPT layer specs are (its TE default, its local one)
 GPT_PROVIDER_MODULE = "megatron.bridge.models.gpt_provider"
 
@@ -81,6 +91,11 @@ MODEL_SWITCHES: tuple[tuple[str, str], ...] = (
     ("persist_layer_norm", "Apex's persistent LayerNorm CUDA kernel; torch's LayerNorm refuses it"),
     ("masked_softmax_fusion", "the scaled_masked_softmax_cuda kernel"),
 )
+PREBUILT_HELPERS = Switch(
+    f"{HELPERS_MODULE} used as installed, not compiled again",
+    "megatron-core's wheel ships it compiled and no Makefile; Bridge's initialize_megatron runs make "
+    "there and exits",
+)
 PIN_MEMORY = Switch("dataset.pin_memory=False", "pinning host memory needs a CUDA driver")
 EAGER = Switch(
     "torch.compile off (torch._dynamo.config.disable)",
@@ -93,6 +108,7 @@ SWITCHES: tuple[Switch, ...] = (
     *(Switch(f"{field}=False", why) for field, why in MODEL_SWITCHES),
     PIN_MEMORY,
     EAGER,
+    PREBUILT_HELPERS,
 )
 
 
@@ -142,6 +158,29 @@ def _give_te_stand_in(module: ModuleType) -> None:
     own = dict(builtins.__dict__)
     own["__import__"] = _stand_in_import(builtins.__import__)
     module.__dict__["__builtins__"] = own
+
+
+# -- the prebuilt dataset helpers ------------------------------------------------------------------
+
+
+def _helpers_prebuilt() -> bool:
+    """megatron-core's dataset helpers are installed compiled, with no Makefile to compile them again."""
+    spec = importlib.util.find_spec(HELPERS_MODULE)
+    if spec is None or spec.origin is None:
+        return False
+    return not (Path(spec.origin).parent / "Makefile").exists()
+
+
+def _switch_compile_helpers(module: ModuleType) -> None:
+    original = module.compile_helpers
+
+    def compile_helpers() -> None:
+        if not _helpers_prebuilt():
+            original()
+
+    compile_helpers.__doc__ = original.__doc__
+    setattr(module, "compile_helpers", compile_helpers)  # noqa: B010 - a module's global, set by name
+    _state.restores.append(lambda: setattr(module, "compile_helpers", original))
 
 
 # -- the config switches ----------------------------------------------------------------------------
@@ -197,6 +236,8 @@ class _BridgeHook(importlib.abc.MetaPathFinder):
             return import_hooks.wrapped_spec(self, fullname, path, target, _give_te_stand_in, _nothing)
         if fullname == CONFIG_MODULE:
             return import_hooks.wrapped_spec(self, fullname, path, target, _nothing, _switch_validate)
+        if fullname == INITIALIZE_MODULE:
+            return import_hooks.wrapped_spec(self, fullname, path, target, _nothing, _switch_compile_helpers)
         return None
 
 
@@ -239,5 +280,7 @@ def bridge_seen() -> bool:
 
 
 def switch_lines() -> list[str]:
-    """One line per switch this process applies to Bridge (the stand-in only where TE is missing)."""
-    return [s.line() for s in SWITCHES if s is not TE_STAND_IN or _te_missing()]
+    """One line per switch this process applies to Bridge (the stand-in only where TE is missing, the
+    helpers only where they are prebuilt)."""
+    applies = {TE_STAND_IN: _te_missing(), PREBUILT_HELPERS: _helpers_prebuilt()}
+    return [s.line() for s in SWITCHES if applies.get(s, True)]

@@ -147,9 +147,39 @@ def test_unwatch_undoes_the_hook_validate_and_torch_compile(watched):
         importlib.import_module("megatron.bridge.peft.lora_layers")
 
 
-def test_each_switch_is_one_line_naming_it_and_why():
+@pytest.mark.parametrize("prebuilt", [True, False])
+def test_initialize_compiles_the_dataset_helpers_only_where_not_prebuilt(watched, monkeypatch, prebuilt):
+    """megatron-core's wheel ships its dataset helpers compiled and no Makefile: Bridge's make there
+    would fail and exit; a checkout (a Makefile beside them) still compiles."""
+    monkeypatch.setattr(foreign_bridge, "_helpers_prebuilt", lambda: prebuilt)
+    from megatron.bridge.training import initialize
+
+    initialize.initialize_megatron()
+    assert initialize.compiled == ([] if prebuilt else ["make"])
+    assert (foreign_bridge.PREBUILT_HELPERS.line() in foreign_bridge.switch_lines()) is prebuilt
+    foreign_bridge.unwatch()
+    initialize.initialize_megatron()
+    assert initialize.compiled == ["make"] if prebuilt else ["make", "make"]
+
+
+def test_the_helpers_count_as_prebuilt_only_without_a_makefile_beside_them(tmp_path, monkeypatch):
+    package = tmp_path / "wheel_datasets"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers_cpp.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(foreign_bridge, "HELPERS_MODULE", "wheel_datasets.helpers_cpp")
+    assert foreign_bridge._helpers_prebuilt()  # a wheel's layout
+    (package / "Makefile").write_text("all:\n")
+    assert not foreign_bridge._helpers_prebuilt()  # a checkout's
+    monkeypatch.setattr(foreign_bridge, "HELPERS_MODULE", "wheel_datasets.not_built")
+    assert not foreign_bridge._helpers_prebuilt()
+
+
+def test_each_switch_is_one_line_naming_it_and_why(monkeypatch):
+    monkeypatch.setattr(foreign_bridge, "_helpers_prebuilt", lambda: True)
     lines = foreign_bridge.switch_lines()
-    assert len(lines) == len(foreign_bridge.SWITCHES) == 7
+    assert len(lines) == len(foreign_bridge.SWITCHES) == 8
     for switch, line in zip(foreign_bridge.SWITCHES, lines, strict=True):
         assert "\n" not in line
         assert switch.name in line
