@@ -1,0 +1,22 @@
+"""``tests/bridge`` runs as Megatron-Bridge's own functional tests run: each test on every rank, in the
+plugin's foreign-suite mode (``make bridge-loop``: torchrun and ``--mfsdp-foreign-suite=true``), whose
+Transformer Engine stand-in lets ``import megatron.bridge`` work without TE. Any other session stops before
+a test module is imported, saying so in one line; collecting only is fine (``make lint``): the module then
+skips itself where Bridge cannot be imported."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_megatron_fsdp.options import session_values
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    config = collector.config
+    if isinstance(collector, pytest.Module) and not (
+        config.option.collectonly or session_values(config).foreign_suite
+    ):
+        raise pytest.UsageError(
+            f"{collector.path.parent.name}/: these tests run in the foreign-suite mode: add "
+            "--mfsdp-foreign-suite=true (make bridge-loop runs them under torchrun)"
+        )

@@ -1,0 +1,283 @@
+"""Megatron-Bridge's own training loop and fsdp_dtensor checkpointing, on CPU ranks.
+
+Written as a Bridge user writes a test, run the way Bridge's own functional tests are: under torchrun,
+in the plugin's foreign-suite mode (``make bridge-loop``; ``make test`` runs it on the newest stack).
+Each run is Bridge's ``pretrain()`` on a config from Bridge's own vanilla GPT recipe with the seed's
+Megatron-FSDP override (``cfg.ddp.data_parallel_sharding_strategy``, ``average_in_collective=False``,
+``ckpt_format="fsdp_dtensor"``), shrunk to CPU size; Bridge saves and loads every checkpoint.
+
+Resuming is judged exactly: a run of 4 iterations saves at 2 and 4; a fresh run loads its iteration 2
+and trains to 4. Its losses at iterations 3 and 4 and its iteration-4 checkpoint (every tensor: the
+model's, the optimizer's) must equal the uninterrupted run's, bit for bit.
+
+Dropout is off. On CPU ranks the "CUDA" generator is the CPU one, and the resumed run's DataLoader draws
+its base seed from the CPU generator after the load restored it (the uninterrupted run drew it before
+the save), so dropout masks after a resume differ there; on GPUs dropout draws from the CUDA generator,
+which that draw leaves alone. The RNG state Bridge saves is checked on its own: it is the state the
+next iteration starts from.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from pytest_megatron_fsdp.fsdp import bridge_config, versions
+
+if versions.megatron_bridge_problem():
+    pytest.skip(versions.megatron_bridge_problem() or "", allow_module_level=True)
+
+try:
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain as bridge_pretrain
+except ModuleNotFoundError as missing:
+    if missing.name != "transformer_engine":
+        raise
+    # collected only, outside the foreign-suite mode (conftest.py stops a session that would run it)
+    why = "Megatron-Bridge imports Transformer Engine outside the foreign-suite mode"
+    pytest.skip(why, allow_module_level=True)
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+TRAIN_ITERS = 4
+SAVED_AT = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str = "optim_grads_params"
+    bf16: bool = False
+    #: the recipe's dropout kept (off otherwise: see the module's docstring)
+    dropout: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.strategy}-{'bf16' if self.bf16 else 'fp32'}{'-dropout' if self.dropout else ''}"
+
+
+@dataclass
+class Run:
+    """What one ``pretrain()`` call left: each microbatch's loss on this rank, per iteration, and the
+    states of Megatron's RNG tracker as each iteration started."""
+
+    losses: dict[int, list[float]] = field(default_factory=dict)
+    tracker_states: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def config(case: Case, train_iters: int = TRAIN_ITERS, **checkpoint: Any) -> Any:
+    """Bridge's vanilla GPT recipe with the seed's override, at CPU size, for ``case``; ``checkpoint``:
+    fields of Bridge's ``CheckpointConfig`` (``save``, ``load``, ``ckpt_step``, ...)."""
+    cfg = bridge_config.seed_config()
+    cfg.ddp.data_parallel_sharding_strategy = case.strategy
+    cfg.model.bf16 = cfg.optimizer.bf16 = case.bf16
+    cfg.model.params_dtype = torch.bfloat16 if case.bf16 else torch.float32
+    if not case.dropout:
+        cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
+    cfg.train.train_iters = train_iters
+    cfg.scheduler.lr_decay_iters = TRAIN_ITERS
+    cfg.checkpoint.save_interval = SAVED_AT
+    for name, value in checkpoint.items():
+        setattr(cfg.checkpoint, name, value)
+    return cfg
+
+
+def pretrain(cfg: Any) -> Run:
+    """Bridge's ``pretrain()`` with Bridge's GPT step, each microbatch's loss recorded."""
+    run = Run()
+
+    def recording_step(state: Any, data_iterator: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        iteration = state.train_state.step + 1
+        if iteration not in run.tracker_states:
+            run.tracker_states[iteration] = {
+                name: torch.as_tensor(value).clone()
+                for name, value in get_cuda_rng_tracker().get_states().items()
+            }
+        output, loss_func = forward_step(state, data_iterator, model, *args, **kwargs)
+
+        def recording_loss(*largs: Any, **lkwargs: Any) -> Any:
+            result = loss_func(*largs, **lkwargs)
+            run.losses.setdefault(iteration, []).append(float(result[0].detach().float().sum()))
+            return result
+
+        return output, recording_loss
+
+    bridge_pretrain(cfg, recording_step)
+    return run
+
+
+def tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint directory, whole (read in this process alone)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = scratch / f"{checkpoint.parent.name}-{checkpoint.name}-rank{dist.get_rank()}.pt"
+    dcp_to_torch_save(checkpoint, flat)
+    loaded = torch.load(flat, weights_only=False)
+    flat.unlink()
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            out[prefix] = value
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(f"{prefix}.{index}", item)
+
+    walk("", loaded)
+    return out
+
+
+def differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """Each key whose tensor is missing, extra or not bit-for-bit equal."""
+    found = [f"missing: {key}" for key in expected.keys() - got.keys()]
+    found += [f"extra: {key}" for key in got.keys() - expected.keys()]
+    for key in sorted(expected.keys() & got.keys()):
+        a, b = expected[key], got[key]
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            found.append(f"differs: {key}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One directory every rank writes to (rank 0's, its path broadcast)."""
+    made = [str(tmp_path_factory.mktemp("bridge")) if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(made, src=0)
+    path = Path(made[0])
+    yield path
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shared_dir: Path) -> Callable[[Case], tuple[Run, Path]]:
+    """The uninterrupted run of a case (4 iterations, saved at 2 and 4), made once per module."""
+    made: dict[Case, tuple[Run, Path]] = {}
+
+    def get(case: Case) -> tuple[Run, Path]:
+        if case not in made:
+            save = shared_dir / f"uninterrupted-{case}"
+            made[case] = (pretrain(config(case, save=str(save))), save)
+        return made[case]
+
+    return get
+
+
+def iteration_dir(save: Path, iteration: int) -> Path:
+    return save / f"iter_{iteration:07d}"
+
+
+CASES = [Case(strategy) for strategy in STRATEGIES] + [Case("optim_grads_params", bf16=True)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_resume_through_bridges_checkpoint_is_exact(case, uninterrupted, shared_dir, tmp_path):
+    whole, whole_save = uninterrupted(case)
+    assert sorted(whole.losses) == [1, 2, 3, 4], whole.losses
+    last = whole.losses[TRAIN_ITERS]
+    assert all(torch.isfinite(torch.tensor(last))), last
+
+    resumed_save = shared_dir / f"resumed-{case}"
+    resumed = pretrain(config(case, save=str(resumed_save), load=str(whole_save), ckpt_step=SAVED_AT))
+
+    assert sorted(resumed.losses) == [3, 4], resumed.losses
+    for iteration in (3, 4):
+        assert resumed.losses[iteration] == whole.losses[iteration], (iteration, resumed.losses, whole.losses)
+    expected = tensors(iteration_dir(whole_save, TRAIN_ITERS), tmp_path)
+    got = tensors(iteration_dir(resumed_save, TRAIN_ITERS), tmp_path)
+    assert any(".exp_avg" in key for key in expected), sorted(expected)  # the optimizer's state is there
+    # the CPU generator's state (also the "CUDA" one on CPU ranks) moved with the DataLoader's draw
+    cpu_generator = (".torch_rng_state", ".cuda_rng_state")
+    assert [d for d in differences(expected, got) if not d.endswith(cpu_generator)] == []
+
+
+def test_the_rng_state_saved_and_loaded_is_the_next_iterations(uninterrupted, shared_dir, tmp_path):
+    """Bridge saves Megatron's RNG tracker states as they stand after the saved iteration, and a resumed
+    run starts its next iteration from them (dropout on: the iterations draw from the tracker)."""
+    case = Case(dropout=True)
+    whole, whole_save = uninterrupted(case)
+    saved = tensors(iteration_dir(whole_save, SAVED_AT), tmp_path)
+    tracker = {key.rpartition(".")[2]: value for key, value in saved.items() if ".rng_tracker_states." in key}
+    assert sorted(tracker) == sorted(whole.tracker_states[SAVED_AT + 1]), sorted(saved)
+    for name, state in whole.tracker_states[SAVED_AT + 1].items():
+        assert torch.equal(tracker[name], state), name
+    drawn = [
+        n
+        for n, s in whole.tracker_states[SAVED_AT + 1].items()
+        if not torch.equal(whole.tracker_states[1][n], s)
+    ]
+    assert drawn, (
+        "no RNG tracker state moved in 2 iterations: nothing here tells a restore from a fresh start"
+    )
+    resumed = pretrain(config(case, train_iters=SAVED_AT + 1, load=str(whole_save), ckpt_step=SAVED_AT))
+    for name, state in whole.tracker_states[SAVED_AT + 1].items():
+        assert torch.equal(resumed.tracker_states[SAVED_AT + 1][name], state), name
+
+
+def test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step(uninterrupted, shared_dir):
+    """``finetune``: the saved model without its optimizer, RNG or iteration; the data starts over. The
+    first step must already see the loaded weights (Megatron-Bridge #3397: an FSDP load took effect
+    only from step 2), so its loss differs from the fresh run's first one on the same batch."""
+    case = Case()
+    whole, whole_save = uninterrupted(case)
+    tuned = pretrain(
+        config(
+            case, train_iters=2, load=str(whole_save), ckpt_step=TRAIN_ITERS, finetune=True, load_optim=False
+        )
+    )
+    assert sorted(tuned.losses) == [1, 2], tuned.losses
+    assert all(torch.isfinite(torch.tensor(tuned.losses[2]))), tuned.losses
+    # trained 4 iterations, the loaded model does better on the first batch than the initial one
+    assert sum(tuned.losses[1]) < sum(whole.losses[1]), (tuned.losses, whole.losses)
+
+
+def _damaged(source: Path, target: Path, damage: Callable[[Path], None]) -> Path:
+    """A copy of the checkpoint directory ``source`` (its tracker files and iteration 2) damaged by
+    ``damage`` on rank 0, every rank waiting for it."""
+    if dist.get_rank() == 0:
+        shutil.copytree(source, target)
+        damage(iteration_dir(target, SAVED_AT))
+    dist.barrier()
+    return target
+
+
+def _truncate_a_shard(checkpoint: Path) -> None:
+    shard = sorted(checkpoint.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+
+def _remove_a_shard(checkpoint: Path) -> None:
+    sorted(checkpoint.glob("*.distcp"))[-1].unlink()
+
+
+def _remove_the_metadata(checkpoint: Path) -> None:
+    (checkpoint / ".metadata").unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "refusal", "says"),
+    [
+        (_truncate_a_shard, CheckpointException, "failed reading zip archive"),
+        (_remove_a_shard, CheckpointException, "No such file or directory"),
+        (_remove_the_metadata, NotImplementedError, "Unknown checkpoint format"),
+    ],
+    ids=["truncated-shard", "missing-shard", "missing-metadata"],
+)
+def test_a_damaged_checkpoint_is_refused_by_bridges_loader(damage, refusal, says, uninterrupted, shared_dir):
+    """Every rank refuses it, naming the damage (DCP's CheckpointException is a BaseException)."""
+    case = Case()
+    _, whole_save = uninterrupted(case)
+    damaged = _damaged(whole_save, shared_dir / f"damaged-{damage.__name__}", damage)
+    with pytest.raises(refusal) as refused:
+        pretrain(config(case, load=str(damaged), ckpt_step=SAVED_AT))
+    assert says in str(refused.value), refused.value
