@@ -619,6 +619,20 @@ NO_SHARD_GRAD_NORM_OVER_COUNTED = KnownBug(
     fixed_in="0.19.2",
 )
 
+#: Megatron-Bridge's fsdp_dtensor load is partial by default (``strict_fsdp_dtensor_load=False``): DCP's
+#: ``allow_partial_load`` skips every model weight the checkpoint lacks, which keeps its initial value, and
+#: the only word of it is an INFO log of the key differences. Resuming a 2-layer model from a 1-layer
+#: model's checkpoint trains on (measured on megatron-bridge 0.6.2 with megatron-core 0.19.2). Bridge main
+#: (0.7.0) refuses missing model weights unless fine-tuning, through megatron-core's
+#: ``validate_fsdp_dtensor_model_load`` (Megatron-LM PR #6271, megatron-core 0.20.0 on main).
+BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
+    "upstream bug (measured on megatron-bridge 0.6.2): a resume from an fsdp_dtensor checkpoint lacking "
+    "model weights loads silently, the missing weights left at their initial values; Bridge main refuses "
+    "it with megatron-core's validate_fsdp_dtensor_model_load (Megatron-LM PR #6271)",
+    fixed_in="0.7.0",
+    package="megatron-bridge",
+)
+
 KNOWN_BUGS = {
     "gloo_concurrent_coalesced_all_gathers": GLOO_CONCURRENT_COALESCED_ALL_GATHERS,
     "swiglu_handler_lookup": SWIGLU_HANDLER_LOOKUP,
@@ -632,6 +646,7 @@ KNOWN_BUGS = {
     "v2_grad_norm_over_dp": V2_GRAD_NORM_OVER_DP,
     "fsdp_grad_norm_doubled_at_dp1": FSDP_GRAD_NORM_DOUBLED_AT_DP1,
     "fsdp_frozen_params_hook": FSDP_FROZEN_PARAMS_HOOK,
+    "bridge_partial_fsdp_dtensor_load": BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD,
 }
 
 

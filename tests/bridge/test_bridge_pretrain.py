@@ -2,7 +2,7 @@
 
 Written as a Bridge user writes a test, run the way Bridge's own functional tests are: under torchrun,
 in the plugin's foreign-suite mode (``make bridge-loop``; ``make test`` runs it on the newest stack).
-Each run is Bridge's ``pretrain()`` on a config from Bridge's own vanilla GPT recipe with the seed's
+Each run is Bridge's ``pretrain()`` on a config from Bridge's own vanilla GPT recipe with the
 Megatron-FSDP override (``cfg.ddp.data_parallel_sharding_strategy``, ``average_in_collective=False``,
 ``ckpt_format="fsdp_dtensor"``), shrunk to CPU size; Bridge saves and loads every checkpoint.
 
@@ -72,7 +72,7 @@ class Run:
 
 
 def config(case: Case, train_iters: int = TRAIN_ITERS, **checkpoint: Any) -> Any:
-    """Bridge's vanilla GPT recipe with the seed's override, at CPU size, for ``case``; ``checkpoint``:
+    """Bridge's vanilla GPT recipe with the Megatron-FSDP override, at CPU size, for ``case``; ``checkpoint``:
     fields of Bridge's ``CheckpointConfig`` (``save``, ``load``, ``ckpt_step``, ...)."""
     cfg = bridge_config.seed_config()
     cfg.ddp.data_parallel_sharding_strategy = case.strategy
@@ -281,3 +281,38 @@ def test_a_damaged_checkpoint_is_refused_by_bridges_loader(damage, refusal, says
     with pytest.raises(refusal) as refused:
         pretrain(config(case, load=str(damaged), ckpt_step=SAVED_AT))
     assert says in str(refused.value), refused.value
+
+
+def _one_layer_checkpoint(shared_dir: Path) -> Path:
+    """A 1-layer model's checkpoint at iteration 2 (made once): a 2-layer model finds its second layer
+    missing there."""
+    save = shared_dir / "one-layer"
+    if not (save / "latest_checkpointed_iteration.txt").exists():
+        cfg = config(Case(), train_iters=SAVED_AT, save=str(save))
+        cfg.model.num_layers = 1
+        pretrain(cfg)
+    return save
+
+
+def _missing_layer_refused(refused: pytest.ExceptionInfo[BaseException]) -> None:
+    assert "layers.1." in str(refused.value), refused.value
+
+
+def test_a_checkpoint_lacking_model_weights_is_refused_with_a_strict_load(shared_dir):
+    """``strict_fsdp_dtensor_load=True``: DCP refuses a checkpoint that lacks a weight the model has."""
+    partial = _one_layer_checkpoint(shared_dir)
+    with pytest.raises(CheckpointException) as refused:
+        pretrain(config(Case(), load=str(partial), ckpt_step=SAVED_AT, strict_fsdp_dtensor_load=True))
+    _missing_layer_refused(refused)
+
+
+def test_a_checkpoint_lacking_model_weights_is_refused_by_default(shared_dir, request):
+    """Bridge's default load: a resume from a checkpoint lacking model weights must not go on with them
+    at their initial values."""
+    bug = versions.BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD
+    if bug.present():
+        request.applymarker(pytest.mark.xfail(strict=True, reason=versions.xfail_reason(bug)))
+    partial = _one_layer_checkpoint(shared_dir)
+    with pytest.raises((Exception, CheckpointException)) as refused:
+        pretrain(config(Case(), load=str(partial), ckpt_step=SAVED_AT))
+    _missing_layer_refused(refused)
