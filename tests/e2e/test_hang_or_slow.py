@@ -121,7 +121,9 @@ def test_the_test_that_keeps_computing_is_too_slow_not_hung(beside_hogs):
     assert f"exceeded its {SLOW_TIMEOUT_S} s timeout" in text, text
     assert "too slow: still progressing" in text, text
     assert "hung" not in text.split("stacks")[0], text
-    assert SLOW_TIMEOUT_S <= float(case.get("time", "0")) < SLOW_TIMEOUT_S + 15, ET.tostring(case).decode()
+    assert SLOW_TIMEOUT_S - START_SKEW_S <= float(case.get("time", "0")) < SLOW_TIMEOUT_S + 15, ET.tostring(
+        case
+    ).decode()
 
 
 def test_a_loop_of_collectives_is_too_slow_and_interrupted_cleanly(beside_hogs):
