@@ -213,10 +213,10 @@ test: venv
 # tests run; `make smoke` and `make test` end with it. A stack without Bridge (the floor) says why in one
 # line and runs nothing.
 BRIDGE_LOOP ?= tests/bridge
-BRIDGE_LOOP_RUN = problem=$$($(PY) -c "from pytest_megatron_fsdp.fsdp.versions import megatron_bridge_problem as p; \
+BRIDGE_LOOP_RUN = $(if $(strip $(BRIDGE_LOOP)),problem=$$($(PY) -c "from pytest_megatron_fsdp.fsdp.versions import megatron_bridge_problem as p; \
 	print(p() or '')") && if [ -n "$$problem" ]; then echo "make: $(BRIDGE_LOOP) not run: $$problem"; else \
-	echo "make: $(BRIDGE_LOOP) on $(NPROC) ranks under torchrun, --mfsdp-foreign-suite=true" && \
-	$(TORCHRUN) -m pytest --mfsdp-foreign-suite=true $(BRIDGE_LOOP) $(PYTEST_ARGS); fi
+	echo "make: $(BRIDGE_LOOP) on $(NPROC) ranks under torchrun with --mfsdp-foreign-suite=true" && \
+	$(TORCHRUN) -m pytest --mfsdp-foreign-suite=true $(BRIDGE_LOOP) $(PYTEST_ARGS); fi,true)
 .PHONY: bridge-loop
 bridge-loop: venv
 	@$(BRIDGE_LOOP_RUN)

@@ -80,6 +80,10 @@ def config(case: Case, train_iters: int = TRAIN_ITERS, **checkpoint: Any) -> Any
     cfg.model.params_dtype = torch.bfloat16 if case.bf16 else torch.float32
     if not case.dropout:
         cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
+    # batches in the rank itself: a DataLoader worker process shares each batch over an AF_UNIX socket
+    # under $TMPDIR, whose path must fit 107 bytes; under a longer $TMPDIR (a pytest tmp_path's) the
+    # worker fails with "AF_UNIX path too long" and the rank waits for the batch forever
+    cfg.dataset.num_workers = 0
     cfg.train.train_iters = train_iters
     cfg.scheduler.lr_decay_iters = TRAIN_ITERS
     cfg.checkpoint.save_interval = SAVED_AT
