@@ -179,8 +179,7 @@ def _switch_compile_helpers(module: ModuleType) -> None:
             original()
 
     compile_helpers.__doc__ = original.__doc__
-    setattr(module, "compile_helpers", compile_helpers)  # noqa: B010 - a module's global, set by name
-    _state.restores.append(lambda: setattr(module, "compile_helpers", original))
+    _state.replace(module, "compile_helpers", compile_helpers)
 
 
 # -- the config switches ----------------------------------------------------------------------------
@@ -213,8 +212,7 @@ def _switch_validate(module: ModuleType) -> None:
 
     validate.__name__ = validate.__qualname__ = original.__name__
     validate.__doc__ = original.__doc__
-    container.validate = validate
-    _state.restores.append(lambda: setattr(container, "validate", original))
+    _state.replace(container, "validate", validate)
 
 
 # -- the import hook --------------------------------------------------------------------------------
@@ -246,12 +244,17 @@ class _State:
         self.hook: _BridgeHook | None = None
         self.restores: list[Callable[[], None]] = []
 
+    def replace(self, owner: Any, name: str, value: Any) -> None:
+        """``owner.name = value``, its value before put back by :func:`unwatch`."""
+        before = getattr(owner, name)
+        setattr(owner, name, value)
+        self.restores.append(lambda: setattr(owner, name, before))
+
     def eager(self) -> None:
         import torch._dynamo
 
         if not torch._dynamo.config.disable:
-            torch._dynamo.config.disable = True
-            self.restores.append(lambda: setattr(torch._dynamo.config, "disable", False))
+            self.replace(torch._dynamo.config, "disable", True)
 
 
 _state = _State()

@@ -19,6 +19,7 @@ next iteration starts from.
 
 from __future__ import annotations
 
+import io
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -116,14 +117,15 @@ def pretrain(cfg: Any) -> Run:
     return run
 
 
-def tensors(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint directory, whole (read in this process alone)."""
+def tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint directory, whole, read in this process alone (DCP's own
+    converter, as the functional suite's ``_whole_state_on_disk``), keyed by its dotted path."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    flat = scratch / f"{checkpoint.parent.name}-{checkpoint.name}-rank{dist.get_rank()}.pt"
-    dcp_to_torch_save(checkpoint, flat)
-    loaded = torch.load(flat, weights_only=False)
-    flat.unlink()
+    buffer = io.BytesIO()
+    dcp_to_torch_save(checkpoint, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # written by Bridge in this test: pickles allowed
     out: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -185,7 +187,7 @@ CASES = [Case(strategy) for strategy in STRATEGIES] + [Case("optim_grads_params"
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_resume_through_bridges_checkpoint_is_exact(case, uninterrupted, shared_dir, tmp_path):
+def test_resume_through_bridges_checkpoint_is_exact(case, uninterrupted, shared_dir):
     whole, whole_save = uninterrupted(case)
     assert sorted(whole.losses) == [1, 2, 3, 4], whole.losses
     last = whole.losses[TRAIN_ITERS]
@@ -197,20 +199,20 @@ def test_resume_through_bridges_checkpoint_is_exact(case, uninterrupted, shared_
     assert sorted(resumed.losses) == [3, 4], resumed.losses
     for iteration in (3, 4):
         assert resumed.losses[iteration] == whole.losses[iteration], (iteration, resumed.losses, whole.losses)
-    expected = tensors(iteration_dir(whole_save, TRAIN_ITERS), tmp_path)
-    got = tensors(iteration_dir(resumed_save, TRAIN_ITERS), tmp_path)
+    expected = tensors(iteration_dir(whole_save, TRAIN_ITERS))
+    got = tensors(iteration_dir(resumed_save, TRAIN_ITERS))
     assert any(".exp_avg" in key for key in expected), sorted(expected)  # the optimizer's state is there
     # the CPU generator's state (also the "CUDA" one on CPU ranks) moved with the DataLoader's draw
     cpu_generator = (".torch_rng_state", ".cuda_rng_state")
     assert [d for d in differences(expected, got) if not d.endswith(cpu_generator)] == []
 
 
-def test_the_rng_state_saved_and_loaded_is_the_next_iterations(uninterrupted, shared_dir, tmp_path):
+def test_the_rng_state_saved_and_loaded_is_the_next_iterations(uninterrupted, shared_dir):
     """Bridge saves Megatron's RNG tracker states as they stand after the saved iteration, and a resumed
     run starts its next iteration from them (dropout on: the iterations draw from the tracker)."""
     case = Case(dropout=True)
     whole, whole_save = uninterrupted(case)
-    saved = tensors(iteration_dir(whole_save, SAVED_AT), tmp_path)
+    saved = tensors(iteration_dir(whole_save, SAVED_AT))
     tracker = {key.rpartition(".")[2]: value for key, value in saved.items() if ".rng_tracker_states." in key}
     assert sorted(tracker) == sorted(whole.tracker_states[SAVED_AT + 1]), sorted(saved)
     for name, state in whole.tracker_states[SAVED_AT + 1].items():
@@ -273,6 +275,7 @@ def _remove_the_metadata(checkpoint: Path) -> None:
     [
         (_truncate_a_shard, CheckpointException, "failed reading zip archive"),
         (_remove_a_shard, CheckpointException, "No such file or directory"),
+        # Bridge's own refusal of a directory without DCP metadata (its format detection)
         (_remove_the_metadata, NotImplementedError, "Unknown checkpoint format"),
     ],
     ids=["truncated-shard", "missing-shard", "missing-metadata"],
