@@ -11,7 +11,10 @@ is agreed:
   is one) belongs to that fixture: it is freed after the test in whose teardown the fixture ends;
 * any other (the test's body, its function-scoped fixtures) belongs to the test: freed after it, and
   at once where the test fails on this rank (:meth:`MadeGroups.release_test_groups`), so that a
-  peer waiting in a collective on one of them is brought back.
+  peer waiting in a collective on one of them is brought back;
+* none made while :meth:`MadeGroups.unrecorded` is on: the plugin's own fixtures, used by a test in
+  that mode, release their groups themselves (Megatron's model-parallel state is kept for the next
+  test and destroyed with the rank session's process group).
 
 Only weak references are kept: a group's connections close when its last reference goes, and a
 reference held here would keep them open.
@@ -37,10 +40,13 @@ class MadeGroups:
         self._owners: list[object] = []  # the long-scoped fixtures being set up, innermost last
         self._by_owner: dict[object | None, list[weakref.ref[Any]]] = {}
         self._due: list[weakref.ref[Any]] = []
+        self._unrecorded = 0  # how many unrecorded() blocks are open
 
     def record(self, group: Any) -> None:
         """``group`` was just made (anything that is not a group, e.g. torch's marker for a rank
         outside the group, is ignored)."""
+        if self._unrecorded:
+            return
         try:
             ref = weakref.ref(group)
         except TypeError:  # not a group object (GroupMember.NON_GROUP_MEMBER, None)
@@ -56,6 +62,15 @@ class MadeGroups:
             yield
         finally:
             self._owners.remove(owner)
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """The groups made inside are not recorded: whoever made them frees them."""
+        self._unrecorded += 1
+        try:
+            yield
+        finally:
+            self._unrecorded -= 1
 
     def owner_done(self, owner: object) -> None:
         """``owner`` has ended (its fixture was finalized): its groups are freed after this test."""

@@ -34,6 +34,10 @@ from .runner import RankRunner
 from .session import RANK_SESSION, RankSession, check_collectives
 from .watchdog import TimeoutPolicy
 
+#: the module of the plugin's own fixtures (``megatron_parallel`` keeps Megatron's model-parallel state,
+#: its process groups included, for the next test; the rank session destroys it on release)
+_OWN_FIXTURES = "pytest_megatron_fsdp.fixtures"
+
 #: a rank's private temp tree (a torchrun-mode rank's: pytest's basetemp, torch's inductor cache), removed
 #: at exit (:meth:`RankKind.make_own_temp`)
 RANK_TEMP = pytest.StashKey[Path]()
@@ -293,7 +297,12 @@ class RankPlugin(RolePlugin):
         self, fixturedef: pytest.FixtureDef[Any], request: Any
     ) -> Generator[None, Any, Any]:
         made = self.made_groups
-        if made is None or fixturedef.scope == "function":
+        if made is None:
+            return (yield)
+        if fixturedef.func.__module__ == _OWN_FIXTURES:  # they release their groups themselves
+            with made.unrecorded():
+                return (yield)
+        if fixturedef.scope == "function":
             return (yield)
         with made.owned_by(fixturedef):  # its groups outlive the test: freed when it ends
             return (yield)

@@ -57,6 +57,22 @@ def test_a_failure_releases_the_tests_own_groups_only():
     assert made.free_after_test(destroy) == 0  # released already, not freed twice
 
 
+def test_groups_made_unrecorded_are_left_to_their_maker():
+    """The plugin's own fixtures in a foreign suite's session: Megatron's model-parallel groups, kept
+    for the next test, are destroyed with the rank session's process group, not after the test."""
+    made = MadeGroups()
+    with made.unrecorded():
+        kept = Group("megatron_parallel's")
+        made.record(kept)
+    own = Group("the test's")
+    made.record(own)
+    assert made.release_test_groups(destroy) == 1
+    assert made.free_after_test(destroy) == 0
+    assert own.destroyed
+    assert not kept.destroyed
+    assert made.alive() == 0
+
+
 def test_nested_fixtures_own_what_each_makes():
     made = MadeGroups()
     outer, inner = object(), object()
