@@ -371,14 +371,30 @@ class _Inspection:
 
 def _unverified_warning(iter_dir: Path) -> CheckpointWarning:
     return CheckpointWarning(
-        f"{iter_dir} has no {DIGESTS_FILE} (saved before checkpoint digests existed): "
-        "its contents were not verified"
+        f"{iter_dir} has no {DIGESTS_FILE} (written by Megatron-LM, or by this plugin before checkpoint "
+        "digests existed): its contents were not verified"
     )
 
 
-def _inspect(root: Path, iteration: int | None, *, verify_all: bool) -> _Inspection:
+#: the train state of a checkpoint with no ``train_state.pt`` (``CheckpointLayout.train_state_without_file``)
+TrainStateWithoutFile = Callable[[Path, Metadata], "dict[str, Any] | None"]
+
+
+def _no_train_state(iter_dir: Path, metadata: Metadata) -> None:
+    return None
+
+
+def _inspect(
+    root: Path,
+    iteration: int | None,
+    *,
+    verify_all: bool,
+    without_file: TrainStateWithoutFile = _no_train_state,
+) -> _Inspection:
     """Local (no collectives), reads only. ``verify_all``: every file's digest; otherwise those of
-    ``.metadata`` and ``train_state.pt`` only (a load verifies the shards it reads, later)."""
+    ``.metadata`` and ``train_state.pt`` only (a load verifies the shards it reads, later). A
+    checkpoint without digests or ``train_state.pt`` (Megatron-LM's) gets its train state from
+    ``without_file``."""
     if not root.is_dir():
         return _Inspection(iteration, [f"checkpoint directory {root} does not exist"])
     if iteration is None:
@@ -427,6 +443,19 @@ def _inspect(root: Path, iteration: int | None, *, verify_all: bool) -> _Inspect
                 f"{shard} is truncated: {shard.stat().st_size} bytes, {metadata_path} needs at least {end}"
             )
     train_state_path = iter_dir / TRAIN_STATE_FILE
+    if found.manifest is None and not train_state_path.exists():
+        try:
+            found.train_state = without_file(iter_dir, found.metadata)
+        except _FAILURES as exc:
+            why = _describe(exc)
+            found.problems.append(f"the train state among {iter_dir}'s entries cannot be read ({why})")
+            return found
+        if found.train_state is not None:
+            if found.train_state["iteration"] != iteration:
+                found.problems.append(
+                    f"{iter_dir} says iteration {found.train_state['iteration']!r}; expected {iteration}"
+                )
+            return found
     try:
         found.train_state = torch.load(train_state_path, weights_only=True)
         if found.train_state.get("iteration") != iteration or found.train_state.get("ckpt_format") != FORMAT:
@@ -449,9 +478,12 @@ def checkpoint_problems(
     Local (no collectives), reads only, every file: Bridge's ``verify_checkpoint_files`` and more
     (every byte range ``.metadata`` names lies inside its file; every file matches its digest).
     Returns the iteration and a list of problems, each naming the path. A checkpoint saved before
-    digests existed has no problem for that, but a :class:`CheckpointWarning` says it was not verified.
+    digests existed, or one Megatron-LM wrote, has no problem for that, but a :class:`CheckpointWarning`
+    says it was not verified.
     """
-    found = _inspect(Path(root), iteration, verify_all=True)
+    from .megatron_layout import train_state_without_file
+
+    found = _inspect(Path(root), iteration, verify_all=True, without_file=train_state_without_file)
     if not found.problems and found.manifest is None and found.iter_dir is not None:
         warnings.warn(_unverified_warning(found.iter_dir), stacklevel=2)
     return found.iteration, found.problems
@@ -517,7 +549,7 @@ def load_checkpoint(
     # 1. Every rank checks the files it will read anyway (reads only), then one collective: the
     #    same verdict everywhere.
     try:
-        found = _inspect(root, iteration, verify_all=False)
+        found = _inspect(root, iteration, verify_all=False, without_file=layout.train_state_without_file)
         problem = "; ".join(found.problems) or None
     except _FAILURES as exc:
         found, problem = None, f"checking {root} failed: {_describe(exc)}"

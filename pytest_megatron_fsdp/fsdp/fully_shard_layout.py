@@ -11,6 +11,7 @@ resume where it stopped (an iterable cannot be rewound).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import versions
@@ -60,6 +61,11 @@ def train_state(run: Run) -> dict[str, Any]:
             "megatron-fsdp": versions.package_version("megatron-fsdp"),
         },
     }
+
+
+def train_state_without_file(iter_dir: Path, metadata: Metadata) -> None:
+    """No other program writes this layout."""
+    return None
 
 
 def load_state_dict(run: Run, metadata: Metadata) -> LoadState:

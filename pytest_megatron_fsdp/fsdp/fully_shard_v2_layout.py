@@ -32,6 +32,7 @@ V2_PACKAGE = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 checkpoint_dir = fully_shard_layout.checkpoint_dir
 check = fully_shard_layout.check
 local_save_state = fully_shard_layout.local_save_state
+train_state_without_file = fully_shard_layout.train_state_without_file
 
 
 @dataclass

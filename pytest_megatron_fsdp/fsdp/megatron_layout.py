@@ -26,15 +26,19 @@ Imports torch and megatron-core (loaded only inside a rank).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import random
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_loader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -277,7 +281,13 @@ def save_state_dict(run: MegatronCoreRun, local: SaveState) -> dict[str, Any]:
         "optimizer": local.optimizer,
         "rng_state": {rng_key(pp_rank, tp_rank): gathered_rng_states(local.rng)},
         "data_stream": {f"dp_rank_{dp_rank}": local.data_stream},
+        # what Megatron-LM's load_checkpoint reads besides the state (it refuses a checkpoint
+        # without "args"); this plugin's own loader reads its train_state.pt instead
+        "args": megatron_lm_arguments(run),
+        "num_floating_point_operations_so_far": 0,
     }
+    if run.scheduler is not None:
+        state_dict["opt_param_scheduler"] = run.scheduler.state_dict()
     apply_megatron_lm_handlers(run, state_dict)
     preprocess_uneven(state_dict)
     return state_dict
@@ -314,6 +324,78 @@ def train_state(run: MegatronCoreRun) -> dict[str, Any]:
         },
         # Megatron's OptimizerParamScheduler, as Bridge checkpoints it
         "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
+    }
+
+
+def megatron_lm_arguments(run: MegatronCoreRun) -> argparse.Namespace:
+    """The run as Megatron-LM's arguments (``pretrain_gpt.py``'s, for the same model and batch): what
+    its ``load_checkpoint`` reads from a checkpoint's ``args`` entry (``check_checkpoint_args``: the
+    model's shape; the consumed-samples counters) and what :func:`train_state_without_file`
+    reads back."""
+    from megatron.core import parallel_state
+
+    p, cfg = run.preset, run.cfg
+    return argparse.Namespace(
+        num_layers=p.num_layers,
+        hidden_size=p.hidden_size,
+        ffn_hidden_size=p.ffn_hidden_size,
+        num_attention_heads=p.num_attention_heads,
+        group_query_attention=p.num_query_groups != p.num_attention_heads,
+        num_query_groups=p.num_query_groups,
+        seq_length=p.seq_length,
+        max_position_embeddings=p.seq_length,
+        add_position_embedding=p.position_embedding_type == "learned_absolute",
+        position_embedding_type=p.position_embedding_type,
+        swiglu=p.swiglu,
+        untie_embeddings_and_output_weights=p.untie_embeddings_and_output_weights,
+        vocab_size=p.vocab_size,
+        vocab_file=None,
+        bf16=bool(run.model.config.bf16),
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
+        context_parallel_size=cfg.model.context_parallel_size,
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        world_size=run.env.world_size,
+        micro_batch_size=p.micro_batch_size,
+        global_batch_size=int(run.global_batch_size),
+        consumed_train_samples=int(run.iteration) * int(run.global_batch_size),
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+        use_megatron_fsdp=cfg.uses_megatron_fsdp,
+        data_parallel_sharding_strategy=cfg.ddp.data_parallel_sharding_strategy,
+        data_parallel_random_init=False,
+        ckpt_format=FORMAT,
+        seed=cfg.train.seed,
+    )
+
+
+def train_state_without_file(iter_dir: Path, metadata: Metadata) -> dict[str, Any] | None:
+    """The train state of a checkpoint Megatron-LM wrote (no ``train_state.pt``): from its own DCP
+    entries ``iteration``, ``args`` and ``opt_param_scheduler``, read in this process alone. None for
+    a checkpoint without those entries. Unpickles ``args`` (DCP unpickles every non-tensor entry):
+    the caller has warned that such a checkpoint is not verified."""
+    saved = metadata.state_dict_metadata
+    if "iteration" not in saved or "args" not in saved:
+        return None
+    entries: dict[str, Any] = {"iteration": None, "args": None}
+    scheduler = _template(metadata, "opt_param_scheduler.")
+    if scheduler:
+        entries["opt_param_scheduler"] = scheduler
+    state_dict_loader.load(entries, storage_reader=FileSystemReader(iter_dir), no_dist=True)
+    args = entries["args"]
+    return {
+        "iteration": int(entries["iteration"]),
+        "ckpt_format": FORMAT,
+        "world_size": int(args.world_size),
+        "data_parallel_size": int(args.data_parallel_size),
+        "global_batch_size": int(args.global_batch_size),
+        "tensor_model_parallel_size": int(args.tensor_model_parallel_size),
+        "pipeline_model_parallel_size": int(args.pipeline_model_parallel_size),
+        "context_parallel_size": int(getattr(args, "context_parallel_size", 1)),
+        "sharding_strategy": getattr(args, "data_parallel_sharding_strategy", None),
+        "seed": int(args.seed),
+        "saved_by": {"megatron-lm": "save_checkpoint"},
+        "scheduler": entries.get("opt_param_scheduler"),
     }
 
 

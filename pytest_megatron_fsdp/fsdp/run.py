@@ -15,6 +15,7 @@ arguments with these protocols without importing a run's module.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
     from ..environment import DistEnv
     from .config import RunConfig
+    from .presets import ModelPreset
     from .results import RunFacts, TrainResult
 
 #: what a checkpoint is saved or loaded for (``validate(purpose=...)``)
@@ -67,6 +69,10 @@ class CheckpointLayout(Protocol):
     def train_state(self, run: Any) -> dict[str, Any]:
         """The train state rank 0 writes beside the shards: plain data only (``weights_only`` loads)."""
 
+    def train_state_without_file(self, iter_dir: Path, metadata: Metadata) -> dict[str, Any] | None:
+        """The train state of a checkpoint another program wrote without a ``train_state.pt``, from
+        its DCP entries (no collectives); None where the layout knows no such writer."""
+
     def load_state_dict(self, run: Any, metadata: Metadata) -> LoadedState:
         """What DCP loads into, built without changing the run (collective)."""
 
@@ -107,6 +113,8 @@ class MegatronCoreRun(Run, Protocol):
     beyond :class:`Run`."""
 
     cfg: RunConfig
+    #: the model's shape and training sizes, the config's changes applied
+    preset: ModelPreset
     #: Megatron's OptimizerParamScheduler (None once closed)
     scheduler: Any
     #: samples per optimizer step over all data-parallel ranks

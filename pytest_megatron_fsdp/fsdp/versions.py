@@ -633,6 +633,23 @@ BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
     package="megatron-bridge",
 )
 
+MEGATRON_LM_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
+    "upstream bug (measured on megatron-core 0.19.2): with --no-strict-fsdp-dtensor-load, Megatron-LM's "
+    "load_checkpoint resumes from an fsdp_dtensor checkpoint lacking model weights silently, the missing "
+    "weights left at their initial values; Megatron-LM main refuses it unless fine-tuning, with "
+    "validate_fsdp_dtensor_model_load (Megatron-LM PR #6271)",
+    fixed_in="0.20.0",
+    first="0.19",
+)
+
+MEGATRON_LM_V2_OPTIMIZER_CHECKPOINT = KnownBug(
+    "upstream limitation (measured on Megatron-LM main of 2026-08-22, megatron-core 0.20.0): Megatron-LM's "
+    "save_checkpoint refuses a Megatron-FSDP V2 run (NotImplementedError: MFSDP v2 optimizer checkpointing "
+    "is not yet supported); no release has both V2 and its checkpointing",
+    fixed_in=None,
+    first="0.20",
+)
+
 KNOWN_BUGS = {
     "gloo_concurrent_coalesced_all_gathers": GLOO_CONCURRENT_COALESCED_ALL_GATHERS,
     "swiglu_handler_lookup": SWIGLU_HANDLER_LOOKUP,
@@ -647,6 +664,8 @@ KNOWN_BUGS = {
     "fsdp_grad_norm_doubled_at_dp1": FSDP_GRAD_NORM_DOUBLED_AT_DP1,
     "fsdp_frozen_params_hook": FSDP_FROZEN_PARAMS_HOOK,
     "bridge_partial_fsdp_dtensor_load": BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD,
+    "megatron_lm_partial_fsdp_dtensor_load": MEGATRON_LM_PARTIAL_FSDP_DTENSOR_LOAD,
+    "megatron_lm_v2_optimizer_checkpoint": MEGATRON_LM_V2_OPTIMIZER_CHECKPOINT,
 }
 
 
@@ -802,7 +821,7 @@ def megatron_bridge_problem() -> str | None:
     if bridge == "not installed":
         return (
             f"megatron-bridge is not installed (the newest stack installs {BRIDGE_RELEASE}, which needs "
-            f"megatron-core >= {BRIDGE_MEGATRON_CORE}; the floor has {package_version('megatron-core')})"
+            f"megatron-core >= {BRIDGE_MEGATRON_CORE}; this stack has {package_version('megatron-core')})"
         )
     if core is None or core.release[:2] < BRIDGE_MEGATRON_CORE.release[:2]:
         return (
@@ -810,6 +829,15 @@ def megatron_bridge_problem() -> str | None:
             f"found {package_version('megatron-core')}"
         )
     return None
+
+
+def upstream_code_problem() -> str | None:
+    """Why ``tests/upstream_code`` (Megatron-Bridge's loop and checkpoints, Megatron-LM's checkpointing)
+    has nothing to run here, in one line; None where either is importable. Reads metadata only."""
+    bridge = megatron_bridge_problem()
+    if bridge is None or megatron_lm_training_installed():
+        return None
+    return f"{bridge}; megatron.training (Megatron-LM's checkpointing) is not importable either"
 
 
 def megatron_lm_training_installed() -> bool:

@@ -540,9 +540,15 @@ def test_megatron_lm_key_layout_for_the_bridge_reference_preset(
 
     rng = f"rng_state.({0}, {0}).0."
     others = {k for k in saved if not k.startswith(("model.", "optimizer.", rng + "rng_tracker_states."))}
+    scheduler = {f"opt_param_scheduler.{k}" for k in run.scheduler.state_dict()}
+    assert len(scheduler) == 10, scheduler  # Megatron's OptimizerParamScheduler, as Megatron-LM saves it
     assert others == {
         "checkpoint_version",
         "iteration",
+        # what Megatron-LM's loader reads besides the state (its run arguments: the model's shape)
+        "args",
+        "num_floating_point_operations_so_far",
+        *scheduler,
         rng + "random_rng_state",
         rng + "np_rng_state",
         rng + "torch_rng_state",
