@@ -193,33 +193,36 @@ stack:
 	@$(PY) -c "from pytest_megatron_fsdp.fsdp.versions import stack_description as d; print('stack: $(STACK) (' + d() + ')')"
 
 # The main job: the functional suite on 2 ranks (GPUs over NCCL when there are 2, else CPU ranks), then
-# Megatron-Bridge's own loop (bridge-loop).
+# upstream's own training and checkpoint code (upstream-code).
 smoke: venv
 	$(TORCHRUN) -m pytest $(FUNCTIONAL) -v $(PYTEST_ARGS)
-	@$(BRIDGE_LOOP_RUN)
+	@$(UPSTREAM_CODE_RUN)
 
 # The unit, integration and functional tiers, fastest first, each a plain pytest session (the plugin
 # launches the rank sets itself), then the seed's smoke test once more under torchrun, the way GPU
-# runners launch it, then Megatron-Bridge's own loop (bridge-loop). Not the e2e tier (`make e2e`, CI) nor the reproductions.
+# runners launch it, then upstream's own training and checkpoint code (upstream-code). Not the e2e tier
+# (`make e2e`, CI) nor the reproductions.
 test: venv
 	$(if $(strip $(UNIT)),$(PYTEST) $(UNIT) $(PYTEST_ARGS))
 	$(if $(strip $(INTEGRATION)),$(PYTEST) $(INTEGRATION) $(INTEGRATION_XDIST) $(PYTEST_ARGS))
 	$(if $(strip $(FUNCTIONAL)),$(PYTEST) $(FUNCTIONAL) $(PYTEST_ARGS))
 	$(TORCHRUN) -m pytest $(SEED_TEST) $(PYTEST_ARGS)
-	@$(BRIDGE_LOOP_RUN)
+	@$(UPSTREAM_CODE_RUN)
 
-# Megatron-Bridge's own pretrain() and fsdp_dtensor checkpointing (tests/bridge: resume exactly, fine-tune,
-# damaged checkpoints), on NPROC ranks under torchrun in the foreign-suite mode, as Bridge's own functional
-# tests run; `make smoke` and `make test` end with it. A stack without Bridge (the floor) says why in one
-# line and runs nothing.
-BRIDGE_LOOP ?= tests/bridge
-BRIDGE_LOOP_RUN = $(if $(strip $(BRIDGE_LOOP)),problem=$$($(PY) -c "from pytest_megatron_fsdp.fsdp.versions import megatron_bridge_problem as p; \
-	print(p() or '')") && if [ -n "$$problem" ]; then echo "make: $(BRIDGE_LOOP) not run: $$problem"; else \
-	echo "make: $(BRIDGE_LOOP) on $(NPROC) ranks under torchrun with --mfsdp-foreign-suite=true" && \
-	$(TORCHRUN) -m pytest --mfsdp-foreign-suite=true $(BRIDGE_LOOP) $(PYTEST_ARGS); fi,true)
-.PHONY: bridge-loop
-bridge-loop: venv
-	@$(BRIDGE_LOOP_RUN)
+# Upstream's own training and checkpoint code (tests/upstream_code): Megatron-Bridge's pretrain() and fsdp_dtensor
+# checkpointing (resume exactly, fine-tune, damaged checkpoints) and Megatron-LM's save_checkpoint/load_checkpoint
+# (resume exactly, another strategy, fine-tune, the plugin's checkpoints both ways, refusals), on NPROC ranks under
+# torchrun in the foreign-suite mode, as Bridge's own functional tests run; `make smoke` and `make test` end
+# with it. Each module skips itself where its code is not installed; a stack with neither (the floor) says why
+# in one line and runs nothing.
+UPSTREAM_CODE ?= tests/upstream_code
+UPSTREAM_CODE_RUN = $(if $(strip $(UPSTREAM_CODE)),problem=$$($(PY) -c "from pytest_megatron_fsdp.fsdp.versions import upstream_code_problem as p; \
+	print(p() or '')") && if [ -n "$$problem" ]; then echo "make: $(UPSTREAM_CODE) not run: $$problem"; else \
+	echo "make: $(UPSTREAM_CODE) on $(NPROC) ranks under torchrun with --mfsdp-foreign-suite=true" && \
+	$(TORCHRUN) -m pytest --mfsdp-foreign-suite=true $(UPSTREAM_CODE) $(PYTEST_ARGS); fi,true)
+.PHONY: upstream-code
+upstream-code: venv
+	@$(UPSTREAM_CODE_RUN)
 
 unit: venv
 	$(PYTEST) $(UNIT) $(PYTEST_ARGS)

@@ -59,14 +59,14 @@ def _env(tmpdir: Path) -> dict[str, str]:
 
 def test_make_test_and_make_smoke_leave_tmpdir_as_they_found_it(fresh_tmpdir):
     """``make test`` is a pytest session per tier (the integration tier's under pytest-xdist), the
-    seed's test under torchrun, then Megatron-Bridge's loop under torchrun (on the newest stack: Bridge
-    saves checkpoints there; the floor says in one line that it has no Bridge); here the integration and
-    functional tiers and the seed's test are the small file instead of the repo's suite (no unit tier),
-    with this venv. ``make smoke`` without the Bridge loop (run once is enough)."""
+    seed's test under torchrun, then upstream's training and checkpoint code under torchrun (on the newest
+    stack: Bridge and Megatron-LM save checkpoints there; the floor says in one line that it has neither);
+    here the integration and functional tiers and the seed's test are the small file instead of the repo's
+    suite (no unit tier), with this venv. ``make smoke`` without upstream's code (run once is enough)."""
     tmpdir, test_file = fresh_tmpdir
     stack = "newest" if sys.version_info[:2] == (3, 12) else "floor"
     tiers = ["UNIT=", f"INTEGRATION={test_file}", f"FUNCTIONAL={test_file}", f"SEED_TEST={test_file}"]
-    smoke = [f"FUNCTIONAL={test_file}", "BRIDGE_LOOP="]
+    smoke = [f"FUNCTIONAL={test_file}", "UPSTREAM_CODE="]
     for target, paths, sessions in (("test", tiers, 3), ("smoke", smoke, 1)):
         done = subprocess.run(
             # -o venv: use the running venv as it is (never rebuild it from a test)
@@ -80,11 +80,11 @@ def test_make_test_and_make_smoke_leave_tmpdir_as_they_found_it(fresh_tmpdir):
         assert len(re.findall(r"(?<!\d)2 passed", done.stdout)) == sessions, done.stdout[-3000:]
         if target == "test":
             assert "-n 2 --dist loadfile" in done.stdout  # the integration tier ran under pytest-xdist
-            bridge_run = done.stdout.split("make: tests/bridge on 2 ranks")[-1]
+            upstream_run = done.stdout.split("make: tests/upstream_code on 2 ranks")[-1]
             if stack == "newest":
-                assert re.search(r"\d+ passed.* in [\d.]+s", bridge_run), done.stdout[-3000:]
+                assert re.search(r"\d+ passed.* in [\d.]+s", upstream_run), done.stdout[-3000:]
             else:
-                assert "make: tests/bridge not run: megatron-bridge is not installed" in done.stdout
+                assert "make: tests/upstream_code not run: megatron-bridge is not installed" in done.stdout
         assert _listing(tmpdir) == [], f"make {target} left: {_listing(tmpdir)}"
 
 

@@ -1,6 +1,7 @@
-"""``tests/bridge`` runs as Megatron-Bridge's own functional tests run: each test on every rank, in the
-plugin's foreign-suite mode (``make bridge-loop``: torchrun and ``--mfsdp-foreign-suite=true``), whose
-Transformer Engine stand-in lets ``import megatron.bridge`` work without TE. Any other session stops before
+"""``tests/upstream_code`` runs as Megatron-Bridge's own functional tests run: each test on every rank, in
+the plugin's foreign-suite mode (``make upstream-code``: torchrun and ``--mfsdp-foreign-suite=true``), whose
+Transformer Engine stand-in lets ``import megatron.bridge`` work without TE and whose CUDA answers let
+Megatron-LM's ``validate_args`` ask for the device's architecture. Any other session stops before
 a test module is imported, saying so in one line; collecting only is fine (``make lint``): the module then
 skips itself where Bridge cannot be imported."""
 
@@ -18,5 +19,5 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
     ):
         raise pytest.UsageError(
             f"{collector.path.parent.name}/: these tests run in the foreign-suite mode: add "
-            "--mfsdp-foreign-suite=true (make bridge-loop runs them under torchrun)"
+            "--mfsdp-foreign-suite=true (make upstream-code runs them under torchrun)"
         )

@@ -1,7 +1,7 @@
 """Megatron-Bridge's own training loop and fsdp_dtensor checkpointing, on CPU ranks.
 
 Written as a Bridge user writes a test, run the way Bridge's own functional tests are: under torchrun,
-in the plugin's foreign-suite mode (``make bridge-loop``; ``make test`` runs it on the newest stack).
+in the plugin's foreign-suite mode (``make upstream-code``; ``make test`` runs it on the newest stack).
 Each run is Bridge's ``pretrain()`` on a config from Bridge's own vanilla GPT recipe with the
 Megatron-FSDP override (``cfg.ddp.data_parallel_sharding_strategy``, ``average_in_collective=False``,
 ``ckpt_format="fsdp_dtensor"``), shrunk to CPU size; Bridge saves and loads every checkpoint.
@@ -19,7 +19,6 @@ next iteration starts from.
 
 from __future__ import annotations
 
-import io
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +28,15 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from dcp_files import (
+    damaged,
+    differences,
+    iteration_dir,
+    remove_a_shard,
+    remove_the_metadata,
+    tensors,
+    truncate_a_shard,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pytest_megatron_fsdp.fsdp import bridge_config, versions
@@ -117,42 +125,6 @@ def pretrain(cfg: Any) -> Run:
     return run
 
 
-def tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint directory, whole, read in this process alone (DCP's own
-    converter, as the functional suite's ``_whole_state_on_disk``), keyed by its dotted path."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    buffer = io.BytesIO()
-    dcp_to_torch_save(checkpoint, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)  # written by Bridge in this test: pickles allowed
-    out: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            out[prefix] = value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), item)
-        elif isinstance(value, list):
-            for index, item in enumerate(value):
-                walk(f"{prefix}.{index}", item)
-
-    walk("", loaded)
-    return out
-
-
-def differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    """Each key whose tensor is missing, extra or not bit-for-bit equal."""
-    found = [f"missing: {key}" for key in expected.keys() - got.keys()]
-    found += [f"extra: {key}" for key in got.keys() - expected.keys()]
-    for key in sorted(expected.keys() & got.keys()):
-        a, b = expected[key], got[key]
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
-            found.append(f"differs: {key}")
-    return found
-
-
 @pytest.fixture(scope="module")
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One directory every rank writes to (rank 0's, its path broadcast)."""
@@ -177,10 +149,6 @@ def uninterrupted(shared_dir: Path) -> Callable[[Case], tuple[Run, Path]]:
         return made[case]
 
     return get
-
-
-def iteration_dir(save: Path, iteration: int) -> Path:
-    return save / f"iter_{iteration:07d}"
 
 
 CASES = [Case(strategy) for strategy in STRATEGIES] + [Case("optim_grads_params", bf16=True)]
@@ -247,36 +215,13 @@ def test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step(uninterrup
     assert sum(tuned.losses[1]) < sum(whole.losses[1]), (tuned.losses, whole.losses)
 
 
-def _damaged(source: Path, target: Path, damage: Callable[[Path], None]) -> Path:
-    """A copy of the checkpoint directory ``source`` (its tracker files and iteration 2) damaged by
-    ``damage`` on rank 0, every rank waiting for it."""
-    if dist.get_rank() == 0:
-        shutil.copytree(source, target)
-        damage(iteration_dir(target, SAVED_AT))
-    dist.barrier()
-    return target
-
-
-def _truncate_a_shard(checkpoint: Path) -> None:
-    shard = sorted(checkpoint.glob("*.distcp"))[-1]
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-
-
-def _remove_a_shard(checkpoint: Path) -> None:
-    sorted(checkpoint.glob("*.distcp"))[-1].unlink()
-
-
-def _remove_the_metadata(checkpoint: Path) -> None:
-    (checkpoint / ".metadata").unlink()
-
-
 @pytest.mark.parametrize(
     ("damage", "refusal", "says"),
     [
-        (_truncate_a_shard, CheckpointException, "failed reading zip archive"),
-        (_remove_a_shard, CheckpointException, "No such file or directory"),
+        (truncate_a_shard, CheckpointException, "failed reading zip archive"),
+        (remove_a_shard, CheckpointException, "No such file or directory"),
         # Bridge's own refusal of a directory without DCP metadata (its format detection)
-        (_remove_the_metadata, NotImplementedError, "Unknown checkpoint format"),
+        (remove_the_metadata, NotImplementedError, "Unknown checkpoint format"),
     ],
     ids=["truncated-shard", "missing-shard", "missing-metadata"],
 )
@@ -284,9 +229,9 @@ def test_a_damaged_checkpoint_is_refused_by_bridges_loader(damage, refusal, says
     """Every rank refuses it, naming the damage (DCP's CheckpointException is a BaseException)."""
     case = Case()
     _, whole_save = uninterrupted(case)
-    damaged = _damaged(whole_save, shared_dir / f"damaged-{damage.__name__}", damage)
+    broken = damaged(whole_save, shared_dir / f"damaged-{damage.__name__}", SAVED_AT, damage)
     with pytest.raises(refusal) as refused:
-        pretrain(config(case, load=str(damaged), ckpt_step=SAVED_AT))
+        pretrain(config(case, load=str(broken), ckpt_step=SAVED_AT))
     assert says in str(refused.value), refused.value
 
 
