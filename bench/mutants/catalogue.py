@@ -9,6 +9,9 @@ catalogue, so a catalogue that no longer fits a new release says so before anyth
 relative to the directory that holds the installed ``megatron`` and ``megatron_fsdp`` packages:
 
 - ``MCORE + "..."``: megatron-core (the adapter, the distributed optimizer, clipping, fsdp_dtensor);
+- ``TRAINING`` / ``BRIDGE``: Megatron-LM's and Megatron-Bridge's checkpoint code, the paths users save and
+  load Megatron-FSDP runs through; these mutants are judged by ``tests/upstream_code``
+  (``Mutant.suite``);
 - ``VENDORED`` / ``STANDALONE``: the two copies of Megatron-FSDP's source. megatron-core's
   ``FullyShardedDataParallel`` runs the vendored copy, ``megatron_fsdp.fully_shard`` the standalone one;
   they are the same source tree (identical files in megatron-core 0.19.2 / megatron-fsdp 0.6.1), so a
@@ -30,6 +33,21 @@ from dataclasses import dataclass
 MCORE = "megatron/core/"
 VENDORED = "megatron/core/distributed/fsdp/src/megatron_fsdp/"
 STANDALONE = "megatron_fsdp/"
+#: Megatron-LM's training code (in megatron-core's wheels from 0.19 on, and in a checkout)
+TRAINING = "megatron/training/"
+#: Megatron-Bridge (installed on the newest stack)
+BRIDGE = "megatron/bridge/"
+#: the line of Bridge's fsdp_dtensor load that reads the checkpoint into the state dict
+_BRIDGE_READ = (
+    "    planner = torch.distributed.checkpoint.default_planner.DefaultLoadPlanner("
+    "allow_partial_load=allow_partial_load)\n"
+)
+
+#: the suites a mutant is judged by: the functional suite (plain pytest), or upstream's own training and
+#: checkpoint code (``tests/upstream_code``: under torchrun in the foreign-suite mode, as
+#: ``make upstream-code`` runs it)
+FUNCTIONAL_SUITE = "tests/functional"
+UPSTREAM_CODE_SUITE = "tests/upstream_code"
 
 
 def both(name: str) -> tuple[str, ...]:
@@ -76,7 +94,9 @@ class Mutant:
     replays: str | None = None
     #: why no CPU-rank test can kill it, and the GPU test that would (None: the suite must kill it)
     cpu_undetectable: str | None = None
-    #: the test (path under tests/functional, pytest node id) expected to fail first: the runner runs it
+    #: the suite that judges it (a directory of tests, ``FUNCTIONAL_SUITE`` or ``UPSTREAM_CODE_SUITE``)
+    suite: str = FUNCTIONAL_SUITE
+    #: the test (path under the suite's directory, pytest node id) expected to fail first: the runner runs it
     #: alone before the suite. It only orders the work: when the probe passes, the whole suite runs and
     #: judges the mutant, so a stale probe costs time, never a wrong verdict.
     probe: str | None = None
@@ -100,6 +120,7 @@ CATEGORIES = (
     "HSDP outer reduction",
     "partial collective",
     "adapter and wrappers",
+    "upstream checkpointing",
 )
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -949,5 +970,129 @@ MUTANTS: tuple[Mutant, ...] = (
         state tensors in place, so the resumed losses were exact.)""",
         needs=V2_FULLY_SHARD,
         probe="test_v2_fully_shard.py::test_v2_fully_shard_checkpoint_resumes_exactly[bf16-v2_saves_v2_loads]",
+    ),
+    # --- upstream checkpointing: Megatron-LM's and Megatron-Bridge's fsdp_dtensor save and load -----------
+    Mutant(
+        "mlm_rng_not_saved",
+        "upstream checkpointing",
+        (TRAINING + "checkpointing.py",),
+        "    rng_state = get_rng_state(\n",
+        "    rng_state = {} if True else get_rng_state(\n",
+        """Megatron-LM's save_checkpoint saves no RNG state. Symptom: a resume cannot find the RNG
+        entries (a strict load refuses) or restores none.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_megatron_lm_checkpointing.py::test_resume_through_megatron_lms_checkpointing_is_exact",
+    ),
+    Mutant(
+        "mlm_args_not_saved",
+        "upstream checkpointing",
+        (TRAINING + "checkpointing.py",),
+        "    state_dict['args'] = args\n",
+        "    pass\n",
+        """Megatron-LM's save_checkpoint leaves out the run's arguments, which its own loader reads
+        first. Symptom: every resume fails (DCP: Missing key args).""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_megatron_lm_checkpointing.py::test_resume_through_megatron_lms_checkpointing_is_exact",
+    ),
+    Mutant(
+        "mlm_model_load_state_dict_skipped",
+        "upstream checkpointing",
+        (TRAINING + "checkpointing.py",),
+        "            load_model_state_dict(ddp_model[0], state_dict['model'], strict)\n",
+        "            pass\n",
+        """Megatron-LM's load_checkpoint reads the weights (DCP fills the DTensors in place) but skips
+        the model's load_state_dict, whose post-load hook makes them the weights the forward pass
+        uses (Megatron-Bridge #3397's class). Symptom: the first step after a load computes with the
+        loading run's own weights.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_megatron_lm_checkpointing.py::test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step",
+    ),
+    Mutant(
+        "mlm_scheduler_not_loaded",
+        "upstream checkpointing",
+        (TRAINING + "checkpointing.py",),
+        "                    opt_param_scheduler.load_state_dict(state_dict['opt_param_scheduler'])\n",
+        "                    pass\n",
+        """Megatron-LM's load_checkpoint leaves the learning-rate scheduler where the loading run had it.
+        Symptom: the resumed run's scheduler (its step count) is not the saved one.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_megatron_lm_checkpointing.py::test_resume_through_megatron_lms_checkpointing_is_exact",
+    ),
+    Mutant(
+        "mlm_python_rng_not_restored",
+        "upstream checkpointing",
+        (TRAINING + "checkpointing.py",),
+        "                random.setstate(rng_state['random_rng_state'])\n",
+        "                pass\n",
+        """Megatron-LM's load_checkpoint restores torch's and NumPy's RNG but not Python's. Symptom: the
+        resumed run's Python RNG is the loading run's own.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_megatron_lm_checkpointing.py::test_resume_through_megatron_lms_checkpointing_is_exact",
+    ),
+    Mutant(
+        "mlm_partial_load_always",
+        "upstream checkpointing",
+        (TRAINING + "checkpointing.py",),
+        "        allow_partial_load = not getattr(args, 'strict_fsdp_dtensor_load', False)\n",
+        "        allow_partial_load = True\n",
+        """Megatron-LM's loader ignores strict_fsdp_dtensor_load (default on): a checkpoint lacking model
+        weights loads, those weights left at their initial values (Megatron-LM PR #6271's class).""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_megatron_lm_checkpointing.py::test_a_checkpoint_lacking_model_weights_is_refused",
+    ),
+    Mutant(
+        "mlm_iteration_not_returned",
+        "upstream checkpointing",
+        (TRAINING + "checkpointing.py",),
+        "    return iteration, num_floating_point_operations_so_far\n",
+        "    return 0, num_floating_point_operations_so_far\n",
+        """Megatron-LM's load_checkpoint returns iteration 0 after a resume. Symptom: training restarts
+        its iteration count (and schedule) from 0.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_megatron_lm_checkpointing.py::test_resume_through_megatron_lms_checkpointing_is_exact",
+    ),
+    Mutant(
+        "bridge_rng_not_saved",
+        "upstream checkpointing",
+        (BRIDGE + "training/checkpointing.py",),
+        "    if ckpt_cfg.save_rng or (is_loading and rng_state is not None):\n",
+        "    if is_loading and rng_state is not None:\n",
+        """Megatron-Bridge saves no RNG state (save_rng ignored). Symptom: a resumed run starts its next
+        iteration from its own RNG tracker states.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_bridge_pretrain.py::test_the_rng_state_saved_and_loaded_is_the_next_iterations",
+    ),
+    Mutant(
+        "bridge_optimizer_not_read",
+        "upstream checkpointing",
+        (BRIDGE + "training/checkpointing.py",),
+        _BRIDGE_READ,
+        "    state_dict.pop('optimizer', None)\n" + _BRIDGE_READ,
+        """Megatron-Bridge's fsdp_dtensor load reads no optimizer state. Symptom: a resumed run's Adam
+        moments are the loading run's; its losses leave the uninterrupted run's.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_bridge_pretrain.py::test_resume_through_bridges_checkpoint_is_exact",
+    ),
+    Mutant(
+        "bridge_model_not_read",
+        "upstream checkpointing",
+        (BRIDGE + "training/checkpointing.py",),
+        _BRIDGE_READ,
+        "    state_dict.pop('model', None)\n" + _BRIDGE_READ,
+        """Megatron-Bridge's fsdp_dtensor load reads no model weights. Symptom: a resumed or fine-tuned
+        run trains on from its own initial weights.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_bridge_pretrain.py::test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step",
+    ),
+    Mutant(
+        "bridge_strict_load_ignored",
+        "upstream checkpointing",
+        (BRIDGE + "training/checkpointing.py",),
+        '    allow_partial_load = not getattr(ckpt_cfg, "strict_fsdp_dtensor_load", False)\n',
+        "    allow_partial_load = True\n",
+        """Megatron-Bridge ignores strict_fsdp_dtensor_load=True: a checkpoint lacking model weights
+        loads, those weights left at their initial values.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_bridge_pretrain.py::test_a_checkpoint_lacking_model_weights_is_refused_with_a_strict_load",
     ),
 )

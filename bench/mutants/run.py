@@ -1,7 +1,9 @@
-"""Run the functional suite against each mutant of Megatron-FSDP; print and write the kill matrix.
+"""Run the functional suite against each mutant of Megatron-FSDP, and ``tests/upstream_code`` against each
+mutant of Megatron-LM's and Megatron-Bridge's checkpoint code; print and write the kill matrix.
 
-The installed packages are never edited: ``megatron/core`` and ``megatron_fsdp`` are copied into a
-scratch directory placed first on ``PYTHONPATH`` (the ranks the plugin launches inherit it), each
+The installed packages are never edited: ``megatron/core``, ``megatron/training``, ``megatron/bridge`` and
+``megatron_fsdp`` (those installed) are copied into a
+scratch directory placed first on ``PYTHONPATH`` (the ranks inherit it), each
 mutant edits that copy and is undone after its run, and the installed ``.py`` files are hashed before
 and after (a difference fails the run). Where the standalone ``megatron_fsdp`` is the vendored directory
 of an editable Megatron-LM checkout, the copy's ``megatron_fsdp`` is a link to its own vendored copy.
@@ -11,7 +13,9 @@ its ``needs`` text is not found) is reported as not applicable, with the reason,
 applicable mutants only; a mutant whose code exists but whose edit (and per-stack variants) does not
 match exactly once refuses the whole catalogue (it no longer fits: fix the catalogue).
 
-A control run on the unedited copy comes first and must pass. Each run is plain pytest with ``-x``
+A control run on the unedited copy comes first, per suite the selected mutants need, and must pass. A
+functional-suite run is plain pytest with ``-x``; an upstream-code run is the same under torchrun on 2 ranks
+in the foreign-suite mode (as ``make upstream-code``). Both use ``-x``
 (the first failing test kills the mutant), the plugin's per-test timeout (``--mfsdp-timeout``: a hang
 becomes a bounded failure) and a wall limit per mutant.
 
@@ -47,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .catalogue import MUTANTS, STANDALONE, VENDORED, Mutant
+from .catalogue import FUNCTIONAL_SUITE, MUTANTS, STANDALONE, UPSTREAM_CODE_SUITE, VENDORED, Mutant
 
 REPO = Path(__file__).resolve().parents[2]
 FUNCTIONAL = REPO / "tests" / "functional"
@@ -60,7 +64,10 @@ FIRST = (
     "test_megatron_fsdp.py",
     "test_checkpoint.py",
 )
-PACKAGES = ("megatron/core", "megatron_fsdp")
+PACKAGES = ("megatron/core", "megatron/training", "megatron/bridge", "megatron_fsdp")
+#: how a suite's session starts: the functional suite's plugin launches its ranks; upstream's code runs as
+#: its own tests do, each rank a pytest session under torchrun in the foreign-suite mode
+UPSTREAM_CODE_LAUNCH = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 
 
 @dataclass
@@ -78,7 +85,11 @@ class Outcome:
     killed_by_probe: bool | None = None
 
 
-def suite_files() -> list[str]:
+def suite_files(suite: str = FUNCTIONAL_SUITE) -> list[str]:
+    """The test paths that judge a mutant of ``suite``: the functional suite's files, fast discriminating
+    ones first; upstream's code as one directory."""
+    if suite == UPSTREAM_CODE_SUITE:
+        return [UPSTREAM_CODE_SUITE]
     names = sorted(p.name for p in FUNCTIONAL.glob("test_*.py"))
     ordered = [n for n in FIRST if n in names] + [n for n in names if n not in FIRST]
     return [str((FUNCTIONAL / n).relative_to(REPO)) for n in ordered]
@@ -226,7 +237,9 @@ def check_shadowing(python: str, shadow: Path, scratch: Path) -> None:
         "import importlib.util as u; "
         "print(u.find_spec('pytest_megatron_fsdp').origin); "
         "print(u.find_spec('megatron.core').origin); "
-        "s = u.find_spec('megatron_fsdp'); print(s.origin if s else '')"
+        "s = u.find_spec('megatron_fsdp'); print(s.origin if s else ''); "
+        "s = u.find_spec('megatron.training'); print(s.origin if s else ''); "
+        "s = u.find_spec('megatron.bridge'); print(s.origin if s else '')"
     )
     out = subprocess.run(
         [python, "-c", code], env=environment(shadow, scratch), capture_output=True, text=True, check=True
@@ -276,13 +289,21 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def run_suite(
-    python: str, shadow: Path, scratch: Path, tests: list[str], args: argparse.Namespace, label: str
+    python: str,
+    shadow: Path,
+    scratch: Path,
+    tests: list[str],
+    args: argparse.Namespace,
+    label: str,
+    suite: str = FUNCTIONAL_SUITE,
 ) -> tuple[str, str | None, str | None, float]:
-    """(status, first failing test, its message, seconds) of one run of the suite."""
+    """(status, first failing test, its message, seconds) of one run of ``suite``'s ``tests``."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{label}-", dir=scratch))
     junit = run_dir / "junit.xml"
+    launch = UPSTREAM_CODE_LAUNCH if suite == UPSTREAM_CODE_SUITE else ()
+    foreign = ["--mfsdp-foreign-suite=true"] if suite == UPSTREAM_CODE_SUITE else []
     command = [
-        python, "-m", "pytest", *tests, "-x", "-q", "-p", "no:cacheprovider",
+        python, *launch, "-m", "pytest", *foreign, *tests, "-x", "-q", "-p", "no:cacheprovider",
         f"--mfsdp-timeout={args.test_timeout}", f"--mfsdp-log-dir={run_dir / 'logs'}",
         f"--junitxml={junit}", *args.pytest_args,
     ]  # fmt: skip
@@ -328,7 +349,7 @@ def judge(
     status, test, message, seconds = "survived", None, None, 0.0
     by_probe: bool | None = None
     if mutant.probe and use_probe:
-        status, test, message, seconds = run([str((FUNCTIONAL / mutant.probe).relative_to(REPO))])
+        status, test, message, seconds = run([str(Path(mutant.suite) / mutant.probe)])
         by_probe = status == "killed"
     if status != "killed":  # no probe, or it passed (or could not run): the suite judges
         status, test, message, more = run(tests)
@@ -441,7 +462,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mutants: no mutant named {', '.join(sorted(unknown))} (see --list)", file=sys.stderr)
             return 2
         mutants = [m for m in mutants if m.name in args.only]
-    tests = args.tests or suite_files()
     python = sys.executable
     root = site_root()
     before = hash_installed(root)
@@ -465,26 +485,34 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {m.name}: not applicable ({why})", flush=True)
         mutants = [m for m in mutants if resolutions[m.name].not_applicable is None]
         if not mutants:
-            write_report(args, tests, control, outcomes, started, complete=True)
+            write_report(args, args.tests or [], control, outcomes, started, complete=True)
             print("mutants: no mutant of the selection applies to the installed packages", file=sys.stderr)
             return 2
+        suites = list(dict.fromkeys(m.suite for m in mutants))
+        tests_of = {suite: args.tests or suite_files(suite) for suite in suites}
+        tests = [path for suite in suites for path in tests_of[suite]]
         print(f"mutants: {len(mutants)} mutants of {root} ({stack()}); tests: {' '.join(tests)}", flush=True)
         if not args.no_control:
-            status, test, message, seconds = run_suite(python, shadow, scratch, tests, args, "control")
-            control = {"status": status, "failed": test, "message": message, "seconds": round(seconds, 1)}
-            passed = "passed" if status == "survived" else status
-            print(f"control (no mutant): {passed} in {seconds:.1f} s", flush=True)
-            if status != "survived":
-                print(f"mutants: the control run failed ({test}: {message})", file=sys.stderr)
-                return 2
+            for suite in suites:
+                status, test, message, seconds = run_suite(
+                    python, shadow, scratch, tests_of[suite], args, "control", suite
+                )
+                control[suite] = {
+                    "status": status, "failed": test, "message": message, "seconds": round(seconds, 1)
+                }  # fmt: skip
+                passed = "passed" if status == "survived" else status
+                print(f"control (no mutant, {suite}): {passed} in {seconds:.1f} s", flush=True)
+                if status != "survived":
+                    print(f"mutants: the control run of {suite} failed ({test}: {message})", file=sys.stderr)
+                    return 2
         for m in mutants:
             use_probe = not args.no_probes and not args.tests
 
-            def run_paths(paths: list[str], name: str = m.name) -> Verdict:
-                return run_suite(python, shadow, scratch, paths, args, name)
+            def run_paths(paths: list[str], name: str = m.name, suite: str = m.suite) -> Verdict:
+                return run_suite(python, shadow, scratch, paths, args, name, suite)
 
             with Applied(shadow, m):
-                status, test, message, seconds, by_probe = judge(m, tests, run_paths, use_probe)
+                status, test, message, seconds, by_probe = judge(m, tests_of[m.suite], run_paths, use_probe)
             outcome = Outcome(
                 m.name, m.category, status, test, message, round(seconds, 1), m.replays,
                 m.cpu_undetectable, list(m.files), by_probe,

@@ -71,11 +71,16 @@ def test_on_0_19_2_the_v2_mutants_are_not_applicable_and_the_others_are(tmp_path
 @pytest.mark.skipif(not _has_v2(), reason="megatron-core without Megatron-FSDP V2 (0.19.2 and older)")
 def test_with_v2_installed_every_mutant_applies(tmp_path):
     """Megatron-LM main (d98e8a64dd or later, V2 in megatron-core): the V2 mutants, the replays of
-    fixes on main and the first 37 (through their per-stack variants) all apply."""
+    fixes on main and the first 37 (through their per-stack variants) all apply; Megatron-Bridge's only
+    where Bridge is installed."""
     shadow = run.make_shadow(run.site_root(), tmp_path)
-    assert {m.name: run.resolve(shadow, m).not_applicable for m in catalogue.MUTANTS} == {
-        m.name: None for m in catalogue.MUTANTS
+    has_bridge = (shadow / catalogue.BRIDGE).is_dir()
+    expected = {
+        m.name: None if has_bridge or not m.files[0].startswith(catalogue.BRIDGE) else "bridge"
+        for m in catalogue.MUTANTS
     }
+    found = {m.name: run.resolve(shadow, m).not_applicable for m in catalogue.MUTANTS}
+    assert {name: why and "bridge" for name, why in found.items()} == expected
 
 
 def _fake_site(tmp_path: Path) -> Path:
@@ -192,12 +197,12 @@ def test_a_rank_set_failure_is_reported_with_the_tracebacks_error_line(tmp_path)
     assert run.first_failure(junit)[1] == "failed on ranks 0, 1 (same error): ValueError: boom"
 
 
-def test_every_probe_names_a_test_of_the_functional_suite():
+def test_every_probe_names_a_test_of_its_suite():
     for m in catalogue.MUTANTS:
         if m.probe is None:
             continue
         path, _, name = m.probe.partition("::")
-        source = (run.FUNCTIONAL / path).read_text()
+        source = (run.REPO / m.suite / path).read_text()
         assert f"def {name.split('[')[0]}(" in source, f"{m.name}: probe {m.probe} names no test"
 
 
@@ -217,6 +222,12 @@ def test_a_probe_that_kills_decides_and_one_that_passes_leaves_the_verdict_to_th
     killed = ("killed", "test_x.py::test_y", "boom", 3.0)
     assert run.judge(probed, ["suite"], runs(killed)) == ("killed", "test_x.py::test_y", "boom", 3.0, True)
     assert calls == [[str(Path("tests/functional/test_x.py::test_y"))]]
+    calls.clear()
+    upstream = catalogue.Mutant(
+        "u", "c", ("f.py",), "a", "b", "d", suite=catalogue.UPSTREAM_CODE_SUITE, probe="test_x.py::test_y"
+    )
+    run.judge(upstream, ["suite"], runs(killed))
+    assert calls == [[str(Path("tests/upstream_code/test_x.py::test_y"))]]
     calls.clear()
     suite_kill = ("killed", "test_z.py::test_w", "later", 10.0)
     verdict = run.judge(probed, ["suite"], runs(("survived", None, None, 3.0), suite_kill))
