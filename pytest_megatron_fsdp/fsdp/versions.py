@@ -633,7 +633,7 @@ BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
     package="megatron-bridge",
 )
 
-MEGATRON_LM_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
+MLM_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
     "upstream bug (measured on megatron-core 0.19.2): with --no-strict-fsdp-dtensor-load, Megatron-LM's "
     "load_checkpoint resumes from an fsdp_dtensor checkpoint lacking model weights silently, the missing "
     "weights left at their initial values; Megatron-LM main refuses it unless fine-tuning, with "
@@ -642,10 +642,11 @@ MEGATRON_LM_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
     first="0.19",
 )
 
-MEGATRON_LM_V2_OPTIMIZER_CHECKPOINT = KnownBug(
+MLM_V2_OPTIMIZER_CHECKPOINT = KnownBug(
     "upstream limitation (measured on Megatron-LM main of 2026-08-22, megatron-core 0.20.0): Megatron-LM's "
     "save_checkpoint refuses a Megatron-FSDP V2 run (NotImplementedError: MFSDP v2 optimizer checkpointing "
-    "is not yet supported); no release has both V2 and its checkpointing",
+    "is not yet supported); no release has both V2 and its checkpointing (Megatron-LM issue #5534, PR #6215 "
+    "open)",
     fixed_in=None,
     first="0.20",
 )
@@ -664,8 +665,8 @@ KNOWN_BUGS = {
     "fsdp_grad_norm_doubled_at_dp1": FSDP_GRAD_NORM_DOUBLED_AT_DP1,
     "fsdp_frozen_params_hook": FSDP_FROZEN_PARAMS_HOOK,
     "bridge_partial_fsdp_dtensor_load": BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD,
-    "megatron_lm_partial_fsdp_dtensor_load": MEGATRON_LM_PARTIAL_FSDP_DTENSOR_LOAD,
-    "megatron_lm_v2_optimizer_checkpoint": MEGATRON_LM_V2_OPTIMIZER_CHECKPOINT,
+    "mlm_partial_fsdp_dtensor_load": MLM_PARTIAL_FSDP_DTENSOR_LOAD,
+    "mlm_v2_optimizer_checkpoint": MLM_V2_OPTIMIZER_CHECKPOINT,
 }
 
 

@@ -203,7 +203,7 @@ def test_resume_through_megatron_lms_checkpointing_is_exact(
     ``load_checkpoint``s iteration 3: the whole state as saved, the RNG as saved, then the same 2
     losses and an iteration-5 checkpoint equal to the uninterrupted run's in every tensor."""
     use_megatron_fsdp_version(run_config, version)
-    bug = versions.MEGATRON_LM_V2_OPTIMIZER_CHECKPOINT
+    bug = versions.MLM_V2_OPTIMIZER_CHECKPOINT
     if version == 2 and bug.present():
         request.applymarker(
             pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=versions.xfail_reason(bug))
@@ -433,7 +433,7 @@ def test_a_checkpoint_lacking_model_weights_is_refused_without_strict_loading(
 ):
     """``--no-strict-fsdp-dtensor-load`` allows a partial load, but a resume (not a fine-tune) from a
     checkpoint lacking model weights must not go on with them at their initial values."""
-    bug = versions.MEGATRON_LM_PARTIAL_FSDP_DTENSOR_LOAD
+    bug = versions.MLM_PARTIAL_FSDP_DTENSOR_LOAD
     if bug.present():
         request.applymarker(pytest.mark.xfail(strict=True, reason=versions.xfail_reason(bug)))
     fresh = megatron_fsdp_run(other_seed(run_config))
