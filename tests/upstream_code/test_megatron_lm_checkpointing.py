@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -144,11 +143,9 @@ def megatron_lm_args(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., 
     unset_num_microbatches_calculator()
 
 
-def save(run: Any, iteration: int | None = None) -> None:
+def save(run: Any) -> None:
     """Megatron-LM's ``save_checkpoint`` of ``run`` (to ``--save``) at its iteration."""
-    megatron_lm.save_checkpoint(
-        run.iteration if iteration is None else iteration, [run.model], run.optimizer, run.scheduler, 0
-    )
+    megatron_lm.save_checkpoint(run.iteration, [run.model], run.optimizer, run.scheduler, 0)
 
 
 def load(run: Any) -> int:
@@ -168,22 +165,6 @@ def other_seed(cfg: Any) -> Any:
     return other
 
 
-def shared_path(tmp_path: Path, name: str) -> Path:
-    """One directory every rank writes to (rank 0's ``tmp_path``, broadcast)."""
-    made = [str(tmp_path / name) if dist.get_rank() == 0 else ""]
-    dist.broadcast_object_list(made, src=0)
-    return Path(made[0])
-
-
-@pytest.fixture
-def shared_dir(tmp_path: Path) -> Iterator[Path]:
-    path = shared_path(tmp_path, "megatron-lm")
-    yield path
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 #: (strategy, bf16, Megatron-FSDP version): every strategy in fp32, bf16 once, V2 where megatron-core has it
 CASES = [(strategy, False, 1) for strategy in STRATEGIES] + [
     ("optim_grads_params", True, 1),
@@ -197,7 +178,7 @@ CASES = [(strategy, False, 1) for strategy in STRATEGIES] + [
     ids=[f"{s}-{'bf16' if b else 'fp32'}{'-v2' if v == 2 else ''}" for s, b, v in CASES],
 )
 def test_resume_through_megatron_lms_checkpointing_is_exact(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir, strategy, bf16, version, request
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir, strategy, bf16, version, request
 ):
     """Train 3 iterations, ``save_checkpoint``, train 2 more and save again; a fresh run (another seed)
     ``load_checkpoint``s iteration 3: the whole state as saved, the RNG as saved, then the same 2
@@ -212,7 +193,7 @@ def test_resume_through_megatron_lms_checkpointing_is_exact(
     run_config.model.bf16 = bf16
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    megatron_lm_args(whole, shared_dir / "whole")
+    megatron_lm_args(whole, checkpoint_dir / "whole")
     save(whole)
     expected, expected_rngs, stream = state_fingerprint(whole), rngs(), whole.data_stream_state().clone()
     scheduler = whole.scheduler.state_dict()
@@ -222,7 +203,9 @@ def test_resume_through_megatron_lms_checkpointing_is_exact(
     fresh = megatron_fsdp_run(other_seed(run_config))
     assert fingerprint_differences(expected, state_fingerprint(fresh)) != []  # it starts elsewhere
     assert rngs() != expected_rngs
-    megatron_lm_args(fresh, shared_dir / "resumed", shared_dir / "whole", "--ckpt-step", str(SAVED_AT))
+    megatron_lm_args(
+        fresh, checkpoint_dir / "resumed", checkpoint_dir / "whole", "--ckpt-step", str(SAVED_AT)
+    )
     assert load(fresh) == SAVED_AT
     assert fingerprint_differences(expected, state_fingerprint(fresh)) == []
     assert rngs() == expected_rngs
@@ -231,9 +214,9 @@ def test_resume_through_megatron_lms_checkpointing_is_exact(
     fresh.load_data_stream_state(stream)
     assert fresh.train(MORE).losses == rest
     save(fresh)
-    whole_files = tensors(iteration_dir(shared_dir / "whole", SAVED_AT + MORE))
+    whole_files = tensors(iteration_dir(checkpoint_dir / "whole", SAVED_AT + MORE))
     assert any(".exp_avg" in key for key in whole_files), sorted(whole_files)
-    assert differences(whole_files, tensors(iteration_dir(shared_dir / "resumed", SAVED_AT + MORE))) == []
+    assert differences(whole_files, tensors(iteration_dir(checkpoint_dir / "resumed", SAVED_AT + MORE))) == []
 
 
 #: model shapes users train, each on the tiny GPT: (id, preset fields changed)
@@ -254,7 +237,7 @@ SHAPES = {
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_resume_of_the_model_shapes_users_train_is_exact(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir, shape, request
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir, shape, request
 ):
     """The resume above (optim_grads_params, fp32) for other shapes: Megatron-LM's checkpoint handlers
     split SwiGLU's ``linear_fc1`` (a strict xfail where megatron-core's handler cannot find a
@@ -270,13 +253,13 @@ def test_resume_of_the_model_shapes_users_train_is_exact(
     run_config.model.overrides.update(fields)
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    megatron_lm_args(whole, shared_dir)
+    megatron_lm_args(whole, checkpoint_dir)
     save(whole)
     expected, stream = state_fingerprint(whole), whole.data_stream_state().clone()
     rest = whole.train(MORE).losses
 
     fresh = megatron_fsdp_run(other_seed(run_config))
-    megatron_lm_args(fresh, None, shared_dir, "--ckpt-step", str(SAVED_AT))
+    megatron_lm_args(fresh, None, checkpoint_dir, "--ckpt-step", str(SAVED_AT))
     assert load(fresh) == SAVED_AT
     assert fingerprint_differences(expected, state_fingerprint(fresh)) == []
     fresh.iteration = SAVED_AT
@@ -286,31 +269,31 @@ def test_resume_of_the_model_shapes_users_train_is_exact(
 
 @pytest.mark.parametrize("loaded_into", ["optim_grads", "optim", "no_shard"])
 def test_megatron_lms_checkpoint_loads_into_another_sharding_strategy(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir, loaded_into
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir, loaded_into
 ):
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    megatron_lm_args(whole, shared_dir)
+    megatron_lm_args(whole, checkpoint_dir)
     save(whole)
     expected = state_fingerprint(whole)
 
     target = other_seed(run_config)
     target.ddp.data_parallel_sharding_strategy = loaded_into
     fresh = megatron_fsdp_run(target)
-    megatron_lm_args(fresh, None, shared_dir)
+    megatron_lm_args(fresh, None, checkpoint_dir)
     assert load(fresh) == SAVED_AT
     assert fingerprint_differences(expected, state_fingerprint(fresh)) == []
 
 
 def test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir
 ):
     """``--finetune --no-load-optim --no-load-rng``: the saved weights, neither optimizer state nor RNG
     nor iteration. The first forward pass already sees them (Megatron-Bridge #3397: an FSDP load took
     effect only from step 2)."""
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    megatron_lm_args(whole, shared_dir)
+    megatron_lm_args(whole, checkpoint_dir)
     save(whole)
     expected = state_fingerprint(whole)
     stream = whole.data_stream_state().clone()
@@ -318,7 +301,7 @@ def test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step(
 
     fresh = megatron_fsdp_run(other_seed(run_config))
     own_rngs = rngs()
-    megatron_lm_args(fresh, None, shared_dir, "--finetune", "--no-load-optim", "--no-load-rng")
+    megatron_lm_args(fresh, None, checkpoint_dir, "--finetune", "--no-load-optim", "--no-load-rng")
     assert load(fresh) == 0
     assert rngs() == own_rngs
     found = fingerprint_differences(expected, state_fingerprint(fresh))
@@ -329,22 +312,22 @@ def test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step(
 
 
 def test_megatron_lm_loads_the_plugins_checkpoint(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir
 ):
     """The plugin's verified save (``pytest_megatron_fsdp.checkpoint``), read by Megatron-LM's loader:
     the same layout, so the same state and the same next losses."""
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    save_checkpoint(whole, shared_dir)
+    save_checkpoint(whole, checkpoint_dir)
     expected = state_fingerprint(whole)
     rest = whole.train(MORE).losses
 
     fresh = megatron_fsdp_run(other_seed(run_config))
-    megatron_lm_args(fresh, None, shared_dir)
+    megatron_lm_args(fresh, None, checkpoint_dir)
     assert load(fresh) == SAVED_AT
     assert fingerprint_differences(expected, state_fingerprint(fresh)) == []
     fresh.iteration = SAVED_AT
-    fresh.load_data_stream_state(load_checkpoint_stream(shared_dir))
+    fresh.load_data_stream_state(load_checkpoint_stream(checkpoint_dir))
     assert fresh.train(MORE).losses == rest
 
 
@@ -356,12 +339,12 @@ def load_checkpoint_stream(root: Path) -> torch.Tensor:
 
 
 def test_the_plugin_loads_megatron_lms_checkpoint(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir
 ):
     """Megatron-LM's ``save_checkpoint``, read by the plugin's loader: the same state."""
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    megatron_lm_args(whole, shared_dir)
+    megatron_lm_args(whole, checkpoint_dir)
     save(whole)
     expected, expected_rngs, stream = state_fingerprint(whole), rngs(), whole.data_stream_state().clone()
 
@@ -369,7 +352,7 @@ def test_the_plugin_loads_megatron_lms_checkpoint(
 
     fresh = megatron_fsdp_run(other_seed(run_config))
     with pytest.warns(CheckpointWarning, match=r"iter_0000003 has no digests\.json .* not verified"):
-        assert load_checkpoint(fresh, shared_dir) == SAVED_AT
+        assert load_checkpoint(fresh, checkpoint_dir) == SAVED_AT
     assert fingerprint_differences(expected, state_fingerprint(fresh)) == []
     assert rngs() == expected_rngs
     fresh.load_data_stream_state(stream)
@@ -390,14 +373,14 @@ def test_the_plugin_loads_megatron_lms_checkpoint(
     ids=["truncated-shard", "missing-shard", "missing-metadata"],
 )
 def test_a_damaged_checkpoint_is_refused_by_megatron_lms_loader(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir, damage, refusal, says
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir, damage, refusal, says
 ):
     """Every rank refuses it, naming the damage (DCP's CheckpointException is a BaseException)."""
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    megatron_lm_args(whole, shared_dir / "whole")
+    megatron_lm_args(whole, checkpoint_dir / "whole")
     save(whole)
-    broken = damaged(shared_dir / "whole", shared_dir / "damaged", SAVED_AT, damage)
+    broken = damaged(checkpoint_dir / "whole", checkpoint_dir / "damaged", SAVED_AT, damage)
 
     fresh = megatron_fsdp_run(other_seed(run_config))
     megatron_lm_args(fresh, None, broken)
@@ -407,13 +390,13 @@ def test_a_damaged_checkpoint_is_refused_by_megatron_lms_loader(
 
 
 @pytest.fixture
-def partial_checkpoint(megatron_fsdp_run, run_config, megatron_lm_args, shared_dir) -> Path:
+def partial_checkpoint(megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir) -> Path:
     """Megatron-LM's checkpoint of a run, with the second layer's entries dropped from its metadata."""
     whole = megatron_fsdp_run(run_config)
     whole.train(SAVED_AT)
-    megatron_lm_args(whole, shared_dir / "whole")
+    megatron_lm_args(whole, checkpoint_dir / "whole")
     save(whole)
-    return damaged(shared_dir / "whole", shared_dir / "partial", SAVED_AT, drop_the_second_layer)
+    return damaged(checkpoint_dir / "whole", checkpoint_dir / "partial", SAVED_AT, drop_the_second_layer)
 
 
 def test_a_checkpoint_lacking_model_weights_is_refused(
@@ -444,7 +427,7 @@ def test_a_checkpoint_lacking_model_weights_is_refused_without_strict_loading(
 
 
 def test_a_checkpoint_of_another_model_shape_is_refused(
-    megatron_fsdp_run, run_config, megatron_lm_args, shared_dir
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir
 ):
     """A 1-layer model's checkpoint into a 2-layer model: refused before anything is loaded, naming
     the first weight the checkpoint lacks."""
@@ -452,10 +435,10 @@ def test_a_checkpoint_of_another_model_shape_is_refused(
     one_layer.model.overrides["num_layers"] = 1
     saved = megatron_fsdp_run(one_layer)
     saved.train(SAVED_AT)
-    megatron_lm_args(saved, shared_dir)
+    megatron_lm_args(saved, checkpoint_dir)
     save(saved)
     fresh = megatron_fsdp_run(other_seed(run_config))
-    megatron_lm_args(fresh, None, shared_dir)
+    megatron_lm_args(fresh, None, checkpoint_dir)
     with pytest.raises(CheckpointException) as refused:
         load(fresh)
     assert SECOND_LAYER in str(refused.value), refused.value
