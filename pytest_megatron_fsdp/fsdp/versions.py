@@ -633,6 +633,19 @@ BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
     package="megatron-bridge",
 )
 
+#: Bridge's ``read_train_state`` is an ``lru_cache`` keyed by the file's path that returns the very
+#: ``TrainState`` object a run then trains on (``state.train_state = read_train_state(...)``), so its
+#: ``step`` moves with the run; a later load of that checkpoint in the same process gets the moved step
+BRIDGE_TRAIN_STATE_CACHE_ALIASED = KnownBug(
+    "upstream bug (measured on megatron-bridge 0.6.2; main of 2026-08-22 has the same code): a second "
+    "pretrain() in one process loading the same checkpoint resumes at the step the first run reached, "
+    "not the saved one (read_train_state's cache hands out the live TrainState); no upstream report "
+    "found (Megatron-Bridge PR #4758 clears that cache at in-process restarts only); reproduction: "
+    "tests/upstream_code/test_bridge_pretrain.py",
+    fixed_in=None,
+    package="megatron-bridge",
+)
+
 MLM_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
     "upstream bug (measured on megatron-core 0.19.2): with --no-strict-fsdp-dtensor-load, Megatron-LM's "
     "load_checkpoint resumes from an fsdp_dtensor checkpoint lacking model weights silently, the missing "
@@ -665,6 +678,7 @@ KNOWN_BUGS = {
     "fsdp_grad_norm_doubled_at_dp1": FSDP_GRAD_NORM_DOUBLED_AT_DP1,
     "fsdp_frozen_params_hook": FSDP_FROZEN_PARAMS_HOOK,
     "bridge_partial_fsdp_dtensor_load": BRIDGE_PARTIAL_FSDP_DTENSOR_LOAD,
+    "bridge_train_state_cache": BRIDGE_TRAIN_STATE_CACHE_ALIASED,
     "mlm_partial_fsdp_dtensor_load": MLM_PARTIAL_FSDP_DTENSOR_LOAD,
     "mlm_v2_optimizer_checkpoint": MLM_V2_OPTIMIZER_CHECKPOINT,
 }

@@ -55,6 +55,11 @@ def differences(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor])
     return found
 
 
+def copied(source: Path, target: Path) -> Path:
+    """A copy of the checkpoint directory ``source``, made on rank 0, every rank waiting for it."""
+    return damaged(source, target, 0, lambda _: None)
+
+
 def damaged(source: Path, target: Path, iteration: int, damage: Callable[[Path], None]) -> Path:
     """A copy of the checkpoint directory ``source`` with its iteration ``iteration`` damaged by
     ``damage`` on rank 0, every rank waiting for it."""
