@@ -131,7 +131,10 @@ class Watchdog:
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
             # exits): torch's record of this rank's collectives, beside its log, for rank 0 (or the
             # parent) to align.
-            flight_recorder.dump(rank_dir.dump_path(self.log.dir, self.rank))
+            why_not = flight_recorder.dump(rank_dir.dump_path(self.log.dir, self.rank))
+            if why_not is not None:  # the report's collectives section will lack this rank: say why
+                with contextlib.suppress(OSError, ValueError):
+                    self.log.file.write(f"flight recorder: {why_not}\n")
             self.policy.at_timeout(self, expiry)
 
         # Backup in C, should the GIL never come back to the thread above.

@@ -47,9 +47,10 @@ def enable(environ: MutableMapping[str, str]) -> None:
     environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(BUFFER_ENTRIES))
 
 
-def dump(path: Path) -> bool:
+def dump(path: Path) -> str | None:
     """This rank's record, pickled as torch writes it (its process groups' config completed, see
-    :func:`complete_pg_config`), into ``path``; False if torch has none.
+    :func:`complete_pg_config`), into ``path``; None when written, else why not (torch has no record,
+    or this build no recorder), for the rank's log.
 
     Without the entries' Python stack traces: symbolising them makes torch import ``torch._dynamo``
     on the first dump, which took 10-17 s per rank with two CPU ranks on two busy cores (0.2 ms
@@ -61,8 +62,8 @@ def dump(path: Path) -> bool:
 
         # private, absent from torch's hints and from some builds: the except below covers that
         raw = c10d._dump_fr_trace(True, False, False)  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
-        return False
+    except Exception as exc:  # noqa: BLE001 - no recorder in this torch build, or nothing recorded
+        return f"no flight record of this rank's collectives ({type(exc).__name__}: {exc})"
     # a record of another shape: written as torch made it
     with contextlib.suppress(Exception):
         raw = pickle.dumps(complete_pg_config(pickle.loads(raw), _registered_groups()))
@@ -71,7 +72,7 @@ def dump(path: Path) -> bool:
     tmp = path.with_name(f".partial-{path.name.replace(DUMP_PREFIX, '')}-{os.getpid()}.tmp")
     tmp.write_bytes(raw)
     os.replace(tmp, path)
-    return True
+    return None
 
 
 def _registered_groups() -> dict[str, dict[str, str]]:

@@ -62,3 +62,18 @@ def test_an_entry_gone_from_the_ring_buffer_is_not_called_missing():
         "rank 0 never entered collective #6 (all_reduce, default_pg) that rank 1 has waited in for 1.0 s"
         in lines
     )
+
+
+def test_a_rank_with_no_record_says_why_and_writes_nothing(tmp_path, monkeypatch):
+    """torch without a record (a build without the recorder, or nothing recorded): the dump says why,
+    for the rank's log, and leaves no file for the report to take as a record."""
+    from torch._C import _distributed_c10d as c10d
+
+    def no_record(*args):
+        raise RuntimeError("no flight record")
+
+    monkeypatch.setattr(c10d, "_dump_fr_trace", no_record, raising=False)
+    path = tmp_path / "flight_recorder_rank_0"
+    why = flight_recorder.dump(path)
+    assert why == "no flight record of this rank's collectives (RuntimeError: no flight record)"
+    assert list(tmp_path.iterdir()) == []
