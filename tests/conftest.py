@@ -208,6 +208,9 @@ class Scenario:
     leftovers: list[str] = field(default_factory=list)
     #: what the session left in its own ``$TMPDIR`` (``path / "tmp"``)
     tmp_left: list[str] = field(default_factory=list)
+    #: when the session's process ended (wall clock, ``time.time()``), before the checks for what it
+    #: left behind, which wait for stragglers
+    ended: float = 0.0
 
     @property
     def out(self) -> str:
@@ -285,12 +288,14 @@ def run_pytest_session(
             for line in running_under(path):
                 os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
             pytest.fail(f"the session in {path} ran past {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    ended = time.time()
     result = pytest.RunResult(proc.returncode, out.splitlines(), err.splitlines(), time.monotonic() - started)
     return Scenario(
         path=path,
         result=result,
         leftovers=running_under(path),
         tmp_left=sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*")),
+        ended=ended,
     )
 
 
