@@ -225,7 +225,16 @@ class Scenario:
     def junit_case(self, name: str) -> ET.Element:
         """The JUnit ``<testcase>`` named ``name``."""
         cases = [case for case in self.junit.iter("testcase") if case.get("name") == name]
-        assert len(cases) == 1, [case.get("name") for case in self.junit.iter("testcase")]
+        # the session's own words (an INTERNALERROR, a rank that ended) say why a case is missing
+        internal = [
+            ET.tostring(case, encoding="unicode")
+            for case in self.junit.iter("testcase")
+            if case.get("name") == "internal"
+        ]
+        assert len(cases) == 1, (
+            f"{[case.get('name') for case in self.junit.iter('testcase')]}\n{''.join(internal)}\n"
+            f"the session's output, its end:\n{self.out[-6000:]}"
+        )
         return cases[0]
 
     def json_report(self, name: str = "report.json") -> Any:
