@@ -25,20 +25,24 @@ class MainThreadInterrupt:
         #: handler (its default action would end the process)
         self._lock = threading.Lock()
         self._armed = False
+        #: the test the handler is armed for (the rank's test index): a watchdog late for its own
+        #: test cannot fail the next one
+        self._test = -1
         self._message = ""
         #: whether the current test was interrupted
         self.fired = False
 
     @contextmanager
-    def armed(self) -> Iterator[None]:
-        """The handler in place for the block (the main thread only: nothing is armed elsewhere)."""
+    def armed(self, test: int = 0) -> Iterator[None]:
+        """The handler in place for the block, for test number ``test`` (the main thread only:
+        nothing is armed elsewhere)."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
         self.fired = False
         previous = signal.signal(INTERRUPT_SIGNAL, self._raise)
         with self._lock:
-            self._armed = True
+            self._armed, self._test = True, test
         try:
             yield
         finally:
@@ -46,12 +50,16 @@ class MainThreadInterrupt:
                 with self._lock:
                     self._armed = False
             finally:
+                # Also where the interruption landed while this thread waited for the lock (the
+                # handler raised out of the wait): the fire that sent it is over, no other may follow.
+                self._armed = False
                 signal.signal(INTERRUPT_SIGNAL, previous)
 
-    def fire(self, message: str) -> bool:
-        """Interrupt the main thread with ``message``; False where nothing is armed (the test is over)."""
+    def fire(self, message: str, test: int = 0) -> bool:
+        """Interrupt test number ``test`` in the main thread with ``message``; False where it is not
+        armed for that test (it is over)."""
         with self._lock:
-            if not self._armed:
+            if not self._armed or self._test != test:
                 return False
             self._message = message
             self.fired = True

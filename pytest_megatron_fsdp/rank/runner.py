@@ -150,6 +150,15 @@ class RankRunner:
             self._interrupt_taken.set()
             self._report_interrupted(item, rank_session, str(exc) or "KeyboardInterrupt")
             raise
+        except pytest.UsageError:
+            raise
+        except Exception as exc:  # noqa: BLE001  (this plugin's own code failed around the test)
+            # Out of pytest's run of a test, an error would end the session as an INTERNALERROR with
+            # this test's and every later test's result lost: the test fails with the traceback (if
+            # not reported already) and each later test is named not run; the session stops here,
+            # as the ranks may no longer be in step.
+            self._report_harness_error(item, rank_session, exc)
+            return True
         finally:
             self._running_item = None
 
@@ -194,7 +203,7 @@ class RankRunner:
                 warnings_relay.capture() if self._relay_warnings else nullcontext([])
             )
             with relay as caught, around_test:
-                reports = self._run_interruptibly(item, nextitem, rank_session)
+                reports = self._run_interruptibly(item, nextitem, rank_session, index)
                 after_test.check_after_test(item, reports, rank_session, self.log)
             try:
                 merged = self._exchange.agree(
@@ -232,6 +241,21 @@ class RankRunner:
             self._stopped.failed_alone(item, explain.interrupted(item.nodeid, self.rank, why))
         self._stopped.not_run_after(item, explain.not_run_after_interrupt(item.nodeid, why))
 
+    def _report_harness_error(self, item: pytest.Item, rank_session: RankSession, exc: Exception) -> None:
+        trace = "".join(traceback.format_exception(exc)).rstrip()
+        self.log.line(f"{item.nodeid}: {trace}")
+        self._stopped.peer_waits_for_the_report(rank_session)
+        with contextlib.suppress(Exception):  # a peer waiting in a collective comes back
+            rank_session.release_peers()
+        self._exchange.mark_released()
+        with contextlib.suppress(Exception):
+            pytest_compat.teardown_local_state(item, None)
+        if not self._reported:
+            self._stopped.failed_alone(item, explain.harness_error(item.nodeid, self.rank, trace))
+        reason = explain.not_run_after_harness_error(item.nodeid, self.rank)
+        self._stopped.not_run_after(item, reason)
+        item.session.shouldstop = reason
+
     def _log_merged(self, item: pytest.Item, merged: list[pytest.TestReport]) -> None:
         self._reported = True
         if self._exchange.test_warnings:
@@ -244,7 +268,7 @@ class RankRunner:
         self.log.event(protocol.Finished(nodeid=item.nodeid))
 
     def _run_interruptibly(
-        self, item: pytest.Item, nextitem: pytest.Item | None, rank_session: RankSession
+        self, item: pytest.Item, nextitem: pytest.Item | None, rank_session: RankSession, index: int
     ) -> list[pytest.TestReport]:
         """pytest's run of the test, which the watchdog may interrupt at its timeout (a rank that
         survives its timeouts): the failure is raised where the main thread is, in a phase, so the
@@ -252,7 +276,7 @@ class RankRunner:
         test here."""
         reports: list[pytest.TestReport] = []
         try:
-            with self._watchdog.interrupt.armed():
+            with self._watchdog.interrupt.armed(index):
                 reports = pytest_compat.runtestprotocol(item, nextitem=nextitem, log=False)
         except pytest.fail.Exception as exc:
             if not self._watchdog.interrupt.fired:

@@ -67,7 +67,7 @@ class SurviveTimeouts:
             )
             with contextlib.suppress(OSError, ValueError):
                 log.file.write("".join(f"{line}\n" for line in collectives))
-        watchdog.interrupt.fire(explain.timed_out_in_rank(banner, collectives, stacks))
+        watchdog.interrupt.fire(explain.timed_out_in_rank(banner, collectives, stacks), expiry.index)
         if expiry.done.wait(RELEASE_AFTER_S):
             return
         # Not back in Python: in a collective (whose peers, interrupted, release the group and so

@@ -77,8 +77,11 @@ class Expiry:
         verdict: protocol.Verdict,
         done: threading.Event,
         started_ns: int,
+        index: int,
     ) -> None:
         self.item = item
+        #: the test's number in this rank's session
+        self.index = index
         self.timeout = timeout
         self.verdict = verdict
         #: set once the main thread is done with the test (it came back)
@@ -127,7 +130,7 @@ class Watchdog:
             verdict = self._await_verdict(done, index, started, timeout, settings.hang_after_s)
             if verdict is None:
                 return
-            expiry = Expiry(item, timeout, verdict, done, started_ns)
+            expiry = Expiry(item, timeout, verdict, done, started_ns, index)
             # First, before the slower stack dumps (torchrun stops the other ranks as soon as one
             # exits): torch's record of this rank's collectives, beside its log, for rank 0 (or the
             # parent) to align.

@@ -52,3 +52,11 @@ def test_nothing_is_armed_off_the_main_thread():
     thread.start()
     thread.join(timeout=10)
     assert fired == [False]
+
+
+def test_a_watchdog_late_for_its_test_cannot_fail_the_next_one():
+    """Test 3's watchdog, slow to assemble its report, fires once the main thread runs test 4."""
+    interrupt = MainThreadInterrupt()
+    with interrupt.armed(4):
+        assert interrupt.fire("MFSDP-TIMEOUT: test 3 exceeded its timeout", 3) is False
+    assert not interrupt.fired
