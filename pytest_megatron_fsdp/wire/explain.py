@@ -354,6 +354,20 @@ def not_run_after_interrupt(nodeid: str, why: str) -> str:
     return f"not run: the session was interrupted ({why}) during {nodeid}"
 
 
+def harness_error(nodeid: str, rank: int, trace: str) -> str:
+    """The failure of a test around which this plugin's own code failed on a rank (a bug of the
+    plugin: the traceback says where)."""
+    return (
+        f"megatron-fsdp's own code failed on rank {rank} around {nodeid} (a bug of the plugin; "
+        f"please report it with this traceback); the session ends here:\n{trace}"
+    )
+
+
+def not_run_after_harness_error(nodeid: str, rank: int) -> str:
+    """Why a test after the one around which the plugin's own code failed was not run."""
+    return f"not run: megatron-fsdp's own code failed on rank {rank} around {nodeid}"
+
+
 def tests_not_run_heading(count: int) -> str:
     return f"megatron-fsdp: {count} test{'s' if count != 1 else ''} not run"
 
