@@ -69,6 +69,7 @@ from .integrity import (
     verify_files,
 )
 from .layout import (
+    BRIDGE_TRAIN_STATE_KEYS,
     DIGESTS_FILE,
     FORMAT,
     LATEST_TRAIN_STATE_FILE,
@@ -458,6 +459,14 @@ def _inspect(
             return found
     try:
         found.train_state = torch.load(train_state_path, weights_only=True)
+        if isinstance(found.train_state, dict) and found.train_state.keys() >= BRIDGE_TRAIN_STATE_KEYS:
+            step = found.train_state["step"]
+            found.problems.append(
+                f"{train_state_path} is Megatron-Bridge's train state (step {int(step)}): {iter_dir} is a "
+                "Megatron-Bridge checkpoint, which this loader does not read (it has no Megatron-LM `args`); "
+                "resume it with Megatron-Bridge (checkpoint.load), or load this plugin's or Megatron-LM's"
+            )
+            return found
         if found.train_state.get("iteration") != iteration or found.train_state.get("ckpt_format") != FORMAT:
             found.problems.append(
                 f"{train_state_path} says iteration {found.train_state.get('iteration')!r}, "

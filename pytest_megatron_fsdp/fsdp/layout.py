@@ -24,6 +24,10 @@ TRAIN_STATE_FILE = "train_state.pt"
 METADATA_FILE = ".metadata"
 DIGESTS_FILE = "digests.json"
 FORMAT = "fsdp_dtensor"
+#: entries of Megatron-Bridge's own ``train_state.pt`` (its ``TrainState.state_dict()``), which has
+#: this layout's file name but not its content (tests/unit/test_bridge_config.py checks them against
+#: Bridge's class)
+BRIDGE_TRAIN_STATE_KEYS = frozenset({"step", "consumed_train_samples", "floating_point_operations_so_far"})
 #: the directory a save writes into before it is complete: ``iter_0000006.tmp-<uuid>``
 _PARTIAL_SAVE = re.compile(r"^iter_\d{7,}\.tmp-[0-9a-f]+$")
 

@@ -256,3 +256,13 @@ def test_the_seeds_llama3_8b_recipe_reads_its_hf_config_offline_and_passes_bridg
     assert "dist.use_torch_fsdp2=True" in facts["refusal"]
     assert "\n" not in facts["refusal"]
     assert any(locks.iterdir())  # the lock went where it was told
+
+
+def test_bridges_train_state_has_the_entries_the_plugins_loader_recognises(bridge):
+    """The plugin's loader tells Bridge's ``train_state.pt`` (same file name, other content) by these
+    entries: Bridge's own TrainState must still write them."""
+    from megatron.bridge.training.state import TrainState
+
+    from pytest_megatron_fsdp.fsdp.layout import BRIDGE_TRAIN_STATE_KEYS
+
+    assert set(TrainState().state_dict()) >= BRIDGE_TRAIN_STATE_KEYS

@@ -252,6 +252,24 @@ def test_train_state_of_another_iteration(legacy):
     assert "says iteration 4" in problems[0]
 
 
+def test_a_megatron_bridge_checkpoint_is_refused_in_one_line(legacy):
+    """Bridge writes ``train_state.pt`` too, with its own TrainState's entries (as tensors)."""
+    bridge_state = {
+        "step": torch.tensor(5),
+        "consumed_train_samples": torch.tensor(40),
+        "floating_point_operations_so_far": torch.tensor(0.0, dtype=torch.float64),
+        "do_train": torch.tensor(True),
+    }
+    torch.save(bridge_state, legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE)
+    _, problems = checkpoint_problems(legacy)
+    assert problems == [
+        f"{legacy / 'iter_0000005' / ckpt.TRAIN_STATE_FILE} is Megatron-Bridge's train state (step 5): "
+        f"{legacy / 'iter_0000005'} is a Megatron-Bridge checkpoint, which this loader does not read (it has "
+        "no Megatron-LM `args`); resume it with Megatron-Bridge (checkpoint.load), or load this plugin's or "
+        "Megatron-LM's"
+    ]
+
+
 class Payload:
     """Anything a weights_only load refuses to unpickle."""
 

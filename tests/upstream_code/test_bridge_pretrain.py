@@ -206,6 +206,22 @@ def test_a_checkpoint_loaded_twice_in_one_process_resumes_at_its_own_step(uninte
     assert sorted(again.losses) == [3, 4], again.losses
 
 
+def test_the_plugins_loader_refuses_bridges_checkpoint_in_one_line(uninterrupted):
+    """Bridge's checkpoint has the plugin's file names (``train_state.pt``) with Bridge's content and
+    no Megatron-LM ``args``: the plugin's loader says so in one line instead of misreading it."""
+    from pytest_megatron_fsdp.fsdp.checkpoint import checkpoint_problems
+
+    _, whole_save = uninterrupted(Case())
+    iteration, problems = checkpoint_problems(whole_save)
+    state = iteration_dir(whole_save, TRAIN_ITERS) / "train_state.pt"
+    assert iteration == TRAIN_ITERS
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{state} is Megatron-Bridge's train state (step {TRAIN_ITERS}): "), (
+        problems
+    )
+    assert "resume it with Megatron-Bridge (checkpoint.load)" in problems[0], problems
+
+
 def test_the_rng_state_saved_and_loaded_is_the_next_iterations(uninterrupted, shared_dir):
     """Bridge saves Megatron's RNG tracker states as they stand after the saved iteration, and a resumed
     run starts its next iteration from them (dropout on: the iterations draw from the tracker)."""
