@@ -84,6 +84,7 @@ def command_line(run: Any, save: Path | None, load: Path | None, *flags: str) ->
         *("--tokenizer-type", "NullTokenizer", "--vocab-size", str(p.vocab_size)),
         *("--normalization", p.normalization, "--position-embedding-type", p.position_embedding_type),
         *("--train-iters", str(cfg.train.train_iters), "--lr", str(run.optimizer.param_groups[0]["lr"])),
+        *("--tensor-model-parallel-size", str(cfg.model.tensor_model_parallel_size)),
         "--use-megatron-fsdp",
         *("--data-parallel-sharding-strategy", cfg.ddp.data_parallel_sharding_strategy),
         *("--ckpt-format", "fsdp_dtensor", "--save-interval", "1"),
@@ -247,7 +248,37 @@ def test_resume_of_the_model_shapes_users_train_is_exact(
         request.applymarker(
             pytest.mark.xfail(strict=True, raises=AttributeError, reason=versions.xfail_reason(bug))
         )
-    fields = dict(SHAPES[shape])
+    _assert_resume_is_exact(megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir, SHAPES[shape])
+
+
+@pytest.mark.distributed(world_size=2, tp=2)
+@pytest.mark.parametrize("shape", ["tiny", "gqa-untied-rope"])
+def test_resume_at_tensor_parallel_2_is_exact(
+    megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir, shape, request
+):
+    """The same resume with each layer split over 2 tensor-parallel ranks (a data-parallel group of
+    one: Megatron-FSDP shards nothing, its buffers and Megatron-LM's checkpoint carry the TP shards)."""
+    bug = versions.TENSOR_PARALLEL_WITHOUT_TE
+    if bug.present():
+        request.applymarker(
+            pytest.mark.xfail(strict=True, raises=TypeError, reason=versions.xfail_reason(bug))
+        )
+    assert run_config.model.tensor_model_parallel_size == 2
+    _assert_resume_is_exact(
+        megatron_fsdp_run, run_config, megatron_lm_args, checkpoint_dir, SHAPES.get(shape, {})
+    )
+
+
+def _assert_resume_is_exact(
+    megatron_fsdp_run: Any,
+    run_config: Any,
+    megatron_lm_args: Any,
+    checkpoint_dir: Path,
+    shape: dict[str, Any],
+) -> None:
+    """Train, ``save_checkpoint``, train on; a fresh run (another seed) loads: the saved state, then the
+    same losses."""
+    fields = dict(shape)
     if "preset" in fields:
         run_config.model.preset = fields.pop("preset")
     run_config.model.overrides.update(fields)
