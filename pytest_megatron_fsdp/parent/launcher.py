@@ -23,7 +23,15 @@ from pathlib import Path
 
 from ..environment import DistributedSpec
 from ..wire import rank_dir
-from ..wire.explain import OUTPUT_TAIL_CHARS, PostMortem, internal_error, log_excerpt, verdict_in
+from ..wire.explain import (
+    OUTPUT_TAIL_CHARS,
+    PostMortem,
+    exception_line,
+    failure_before_the_timeout,
+    internal_error,
+    log_excerpt,
+    verdict_in,
+)
 from ..wire.protocol import (
     BATCH_FILE_FLAG,
     REPORT_FILE_FLAG,
@@ -293,6 +301,11 @@ class RankSet:
             verdict=next(filter(None, map(verdict_in, logs.values())), None),
             excerpts={r: log_excerpt(log) for r, log in logs.items()},
             internal_errors={r: cause for r, log in logs.items() if (cause := internal_error(log))},
+            failed_first={
+                r: exception_line(failed)
+                for r, log in logs.items()
+                if (failed := failure_before_the_timeout(log))
+            },
             log_dir=self.log_dir,
             output_tail=self.output()[-OUTPUT_TAIL_CHARS:],
             output_path=self.output_path,

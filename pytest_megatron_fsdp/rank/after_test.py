@@ -56,6 +56,21 @@ def raised_in_torch_distributed(excinfo: pytest.ExceptionInfo[BaseException]) ->
     return any(str(entry.path).startswith(root) for entry in excinfo.traceback)
 
 
+def drop_exception_locals(exc: BaseException) -> None:
+    """:func:`drop_locals` for ``exc``'s traceback and those of the exceptions it chains (its cause and
+    context): a timeout raised while a collective's own error unwinds (``During handling of the above
+    exception...``) keeps the collective's frames, and so the model, in the chained one's traceback."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        drop_locals(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+
+
 def drop_locals(tb: TracebackType | None) -> None:
     """Let go of what a failed test's frames hold, before its process group is released: a group
     one of them still references (the frame of the collective the test was interrupted in, or

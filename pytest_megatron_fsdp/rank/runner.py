@@ -310,7 +310,7 @@ class RankRunner:
             trace = "".join(traceback.format_exception(exc))
             self.log.line(f"{item.nodeid}: reporting its interruption: {trace}")
             report = build_report(item, "call", "failed", headlined_failure(item, str(interruption)))
-        after_test.drop_locals(interruption.__traceback__)
+        after_test.drop_exception_locals(interruption)
         return report
 
     def _alone(
@@ -374,7 +374,7 @@ class RankRunner:
             in_collective = call.excinfo is not None and after_test.raised_in_torch_distributed(call.excinfo)
             report.mfsdp_in_a_collective = in_collective  # type: ignore[attr-defined]  # to the agreement
             if call.excinfo is not None:
-                after_test.drop_locals(call.excinfo.tb)
+                after_test.drop_exception_locals(call.excinfo.value)
             if (
                 self._release_test_groups is not None
                 and not in_collective

@@ -35,10 +35,34 @@ INTERNAL_ERROR_PREFIX = "INTERNALERROR> "
 INTERNAL_ERROR_LINES = 16
 
 
+def failure_before_the_timeout(log: str) -> str:
+    """The failure a rank logged in its last test before its watchdog's banner ("" when none): a
+    rank that failed on its own (an exception in its backward) leaves its peers waiting in a
+    collective it never enters, and the test then hangs; its failure is the cause."""
+    starts = rank_dir.test_starts(log)
+    end = log.rfind(TIMEOUT_BANNER)
+    if not starts or end < starts[-1][0]:
+        return ""
+    lines = log[starts[-1][0] : end].splitlines()
+    first = next((i for i, line in enumerate(lines) if rank_dir.failed_test(line)), None)
+    return "\n".join(lines[first:]).rstrip() if first is not None else ""
+
+
+def exception_line(failure: str) -> str:
+    """The exception of a logged failure block: its first ``E`` line (pytest's), else its last line."""
+    lines = failure.splitlines()
+    raised = next((line[1:].strip() for line in lines if line.startswith("E ")), None)
+    return raised or (lines[-1].strip() if lines else "")
+
+
 def log_excerpt(log: str) -> str:
-    """The part of a rank's log that explains its end: from its timeout banner, else from a fatal
-    signal's dump, else from a stack dump the parent asked for, else the current test's part, else
-    the log's tail; an internal error's traceback shortened to its end."""
+    """The part of a rank's log that explains its end: from its timeout banner (after the failure it
+    logged before it, if any), else from a fatal signal's dump, else from a stack dump the parent
+    asked for, else the current test's part, else the log's tail; an internal error's traceback
+    shortened to its end."""
+    failed = failure_before_the_timeout(log)
+    if failed:
+        return f"{failed}\n{log[log.rfind(TIMEOUT_BANNER) :].rstrip()}"
     start = log.find(TIMEOUT_BANNER)
     if start < 0:
         start = log.find("Fatal Python error")  # faulthandler on SIGSEGV, SIGABRT, ...
@@ -102,6 +126,9 @@ class PostMortem:
     excerpts: dict[int, str] = field(default_factory=dict)
     #: per rank whose log has a pytest internal error, its exception (see internal_error)
     internal_errors: dict[int, str] = field(default_factory=dict)
+    #: per rank that failed on its own in the test before the timeout, its exception
+    #: (see failure_before_the_timeout)
+    failed_first: dict[int, str] = field(default_factory=dict)
     log_dir: Path = Path()
     #: torchrun's output, its end
     output_tail: str = ""
@@ -166,6 +193,8 @@ def describe_death(
         )
         if timeout_source is not None:
             lines.append(f"timeout {timeout:g} s (from {timeout_source})")
+        for r, raised in sorted(pm.failed_first.items()):
+            lines.append(f"rank {r} had failed on its own before (its failure below): {raised}")
         lines += collectives or []
     died = pm.died()
     if died and not pm.timed_out:

@@ -115,3 +115,42 @@ def test_a_rank_failing_while_its_peer_waits_in_megatron_fsdp_collectives_is_rep
     assert wall < 150, wall
     assert leftover_processes(pytester.path) == []
     assert leftover_files(isolated_tmp) == []
+
+
+#: the no-progress bound, below the process-group timeout: the test is reported hung first
+HANG_AFTER_S = 8
+
+
+def test_a_hang_after_a_rank_failed_on_its_own_names_that_rank_and_its_exception(
+    pytester, leftover_processes, isolated_tmp, leftover_files
+):
+    """With the defaults (a 60 s no-progress bound, a 120 s process-group timeout) the peer's wait is
+    ended as a hang: the report still says which rank failed first, and with what."""
+    pytester.makepyfile(test_boom=BOOM)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--mfsdp-platform=cpu",
+        f"--mfsdp-hang-after={HANG_AFTER_S}",
+        "--mfsdp-pg-timeout=120",
+        f"--mfsdp-log-dir={pytester.path / 'logs'}",
+        "-k",
+        "reduce_scatter or work_again",
+        timeout=TEST_TIMEOUT_S + 180,
+    )
+    out = result.stdout.str()
+    result.assert_outcomes(failed=1, passed=1)
+    report = out[out.index("_ test_reduce_scatter _") :]
+    assert "timed out: the test hung (no progress on any rank" in report, out
+    headline = (
+        "rank 1 had failed on its own before (its failure below): "
+        "RuntimeError: boom on rank 1 in test_reduce_scatter"
+    )
+    assert headline in report, out
+    # the failure itself, under rank 1, before its watchdog's banner
+    rank1 = report[report.index("---------- rank 1 (log:") :]
+    assert rank1.index("FAILED test_boom.py::test_reduce_scatter (call) on rank 1:") < rank1.index(
+        "MFSDP-TIMEOUT"
+    ), out
+    assert leftover_processes(pytester.path) == []
+    assert leftover_files(isolated_tmp) == []

@@ -364,6 +364,39 @@ def test_a_rank_log_excerpt_starts_where_the_log_explains_the_end(log, excerpt):
     assert log_excerpt(log) == excerpt
 
 
+#: rank 1's log where it failed on its own (in its backward) and then waited for its peer, which
+#: waited in a collective rank 1 never entered, until the watchdog's hang bound
+OWN_FAILURE_THEN_HANG = """START t.py::t (timeout 300 s)
+FAILED t.py::t (call) on rank 1:
+    def t():
+>       run.train(3)
+E       RuntimeError: rank 1 fails in its backward
+t.py:3: RuntimeError
+MFSDP-TIMEOUT: t.py::t hung on rank 1 (no progress on any rank for 60 s)
+Thread 0x1 (most recent call first):
+"""
+
+
+def test_a_rank_log_excerpt_keeps_the_failure_before_the_timeout():
+    excerpt = log_excerpt(OWN_FAILURE_THEN_HANG).splitlines()
+    assert excerpt[0] == "FAILED t.py::t (call) on rank 1:"
+    assert excerpt[-2:] == [
+        "MFSDP-TIMEOUT: t.py::t hung on rank 1 (no progress on any rank for 60 s)",
+        "Thread 0x1 (most recent call first):",
+    ]
+    # a failure of an earlier test is that test's, reported already
+    earlier = OWN_FAILURE_THEN_HANG.replace("MFSDP-TIMEOUT", "START t.py::u (timeout 300 s)\nMFSDP-TIMEOUT")
+    assert explain.failure_before_the_timeout(earlier) == ""
+
+
+def test_a_hang_after_a_rank_failed_on_its_own_names_that_rank_and_its_exception():
+    failed = explain.failure_before_the_timeout(OWN_FAILURE_THEN_HANG)
+    pm = PostMortem(2, -9, timed_out=[0, 1], failed_first={1: explain.exception_line(failed)})
+    assert explain.describe_death(pm, 300.0, killed_after=60.0).splitlines()[1] == (
+        "rank 1 had failed on its own before (its failure below): RuntimeError: rank 1 fails in its backward"
+    )
+
+
 # -- the note after a batch's last test -----------------------------------------------------------
 
 
