@@ -23,9 +23,15 @@ import pytest
 
 from ..environment import DistributedSpec
 from ..wire import coexist, protocol, pytest_compat, warnings_relay
-from ..wire.explain import abnormal_exits, death_text, headlined_failure, note_attempts
+from ..wire.explain import (
+    abnormal_exits,
+    death_text,
+    headlined_failure,
+    not_run_after_interrupt,
+    note_attempts,
+)
 from ..wire.protocol import log_dir, spec_of
-from ..wire.reports import build_report
+from ..wire.reports import build_report, log_not_run
 from . import xdist_queue
 from .launcher import RankSet
 
@@ -62,6 +68,8 @@ class Controller:
         #: the platform each world size runs on, decided once per session (see plan_platforms)
         self.platforms: dict[int, str] = {}
         self.active: dict[int, RankSet] = {}
+        #: the tests an interruption left unrun, named in the terminal summary
+        self.not_run: list[str] = []
         self.remaining: dict[int, list[str]] = {}
         self._batches = 0
         #: whether the session's first rank set was started (or ruled out) before collection ended
@@ -234,10 +242,11 @@ class Controller:
             started = _clock()
             try:
                 reports = self._collect_reports(item, rank_set)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as exc:
                 # SIGINT, or SIGTERM (a CI cancel; see install_signal_handlers): the running test fails
-                # with what its ranks had logged, its rank set is killed, and pytest then ends the
-                # session as interrupted, writing JUnit XML and the report for every finished test.
+                # with what its ranks had logged, its rank set is killed, each later test is named not
+                # run, and pytest then ends the session as interrupted, writing JUnit XML and the
+                # report for every test.
                 rank_set.kill()
                 reason = "interrupted (SIGINT/SIGTERM): the rank set was killed\n" + death_text(
                     rank_set.post_mortem(),
@@ -248,6 +257,10 @@ class Controller:
                 report = self._failure(item, rank_set, "call", reason, _clock() - started, "interrupted")
                 item.ihook.pytest_runtest_logreport(report=report)
                 item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+                why = str(exc) or "KeyboardInterrupt"
+                self.not_run = log_not_run(
+                    self._upcoming(item)[1:], not_run_after_interrupt(item.nodeid, why)
+                )
                 raise
             # its ranks could not go on together (a process group not rebuilt after a failure):
             # they end after this test, and the rest of the batch runs in a fresh rank set

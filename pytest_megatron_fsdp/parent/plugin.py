@@ -19,7 +19,8 @@ from ..foreign import gpu_only_skips
 from ..fsdp import versions
 from ..reporting.summary import show_summary
 from ..wire import cpu_probe, protocol
-from ..wire.explain import rerun_summary
+from ..wire.explain import rerun_summary, tests_not_run_heading
+from ..wire.reports import not_run_status
 from ..wire.role import PLUGINS, ProcessRole, Role, RolePlugin
 from .controller import Controller, install_signal_handlers, plan_platforms, remember_items
 from .gpu_slices import GpuSliceError
@@ -134,7 +135,7 @@ class ParentPlugin(RolePlugin):
     def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, Any] | None:
         if cast(str, report.outcome) == "rerun":  # set by the controller, outside pytest's three
             return "rerun", "R", ("RERUN", {"yellow": True})
-        return None
+        return not_run_status(report)
 
     # -- the end ------------------------------------------------------------------------------------
 
@@ -156,6 +157,10 @@ class ParentPlugin(RolePlugin):
             for line in lines:
                 terminalreporter.write_line(line)
         show_summary(terminalreporter, config, "plain")
+        if self.controller.not_run:
+            terminalreporter.write_sep("=", tests_not_run_heading(len(self.controller.not_run)))
+            for nodeid in self.controller.not_run:
+                terminalreporter.write_line(nodeid)
 
 
 def _cpu_line(config: pytest.Config, controller: Controller) -> str:

@@ -8,7 +8,7 @@ import pytest
 
 from ..wire import explain
 from ..wire.explain import headlined_failure
-from ..wire.reports import NOT_RUN, build_report
+from ..wire.reports import build_report, log_not_run
 from .log import RankLog
 from .session import RankSession
 
@@ -46,24 +46,12 @@ class StoppedSession:
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
 
     def not_run_after(self, after: pytest.Item, reason: str) -> None:
-        """Each test after ``after`` is reported not run, with ``reason`` (the session ends here): an
-        error in its setup (a JUnit ``error``, a failed session), never a skip, which would count
-        a test nobody ran as an accepted outcome; its terminal status is ``NOT RUN``
-        (:data:`NOT_RUN`)."""
+        """Each test after ``after`` is reported not run, with ``reason`` (the session ends here; see
+        :func:`..wire.reports.log_not_run`)."""
         items = after.session.items
-        later = items[items.index(after) + 1 :] if after in items else []
-        for item in later:
-            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-            for when, outcome, longrepr in (
-                ("setup", "failed", headlined_failure(item, reason)),
-                ("teardown", "passed", None),
-            ):
-                report = build_report(item, when, outcome, longrepr, attributes={NOT_RUN: True})
-                item.ihook.pytest_runtest_logreport(report=report)
-            item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        self._not_run = [item.nodeid for item in later]
-        if later:
-            self._log.line(f"{len(later)} tests not run: {reason}")
+        self._not_run = log_not_run(items[items.index(after) + 1 :] if after in items else [], reason)
+        if self._not_run:
+            self._log.line(f"{len(self._not_run)} tests not run: {reason}")
 
     def not_run_lines(self) -> list[str]:
         """The terminal summary's section on the tests not run after a rank never came back from a

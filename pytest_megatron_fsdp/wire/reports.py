@@ -7,10 +7,12 @@ Plain pytest: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import pytest
+
+from .explain import headlined_failure
 
 #: the attribute on the reports of a test the session never ran (a rank never came back, or a signal
 #: ended the session): its terminal status is ``NOT RUN``, its JUnit entry an error
@@ -51,3 +53,20 @@ def not_run_status(report: pytest.TestReport) -> tuple[str, str, str] | None:
     if getattr(report, NOT_RUN, False) and report.when == "setup":
         return "not run", "N", "NOT RUN"
     return None
+
+
+def log_not_run(items: Sequence[pytest.Item], reason: str) -> list[str]:
+    """Report each of ``items`` not run, with ``reason`` (the session ends before them), through
+    pytest's report hooks: an error in its setup (a JUnit ``error``, a failed session), never a skip,
+    which would count a test nobody ran as an accepted outcome; its terminal status is ``NOT RUN``
+    (:data:`NOT_RUN`). Returns their node ids."""
+    for item in items:
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for when, outcome, longrepr in (
+            ("setup", "failed", headlined_failure(item, reason)),
+            ("teardown", "passed", None),
+        ):
+            report = build_report(item, when, outcome, longrepr, attributes={NOT_RUN: True})
+            item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return [item.nodeid for item in items]

@@ -340,7 +340,8 @@ def test_ranks_disagree_on_the_collective(dist_env):
 def test_sigterm_mid_test_kills_the_ranks_and_writes_junit(pytester, isolated_tmp, leftover_processes):
     """A CI cancel: SIGTERM to the plain pytest session while a distributed test runs. The ranks
     and torchrun are killed, the running test fails as interrupted, the finished one keeps its
-    result, and the JUnit XML is written; pytest exits non-zero."""
+    result, the next one is named not run (as under torchrun), and the JUnit XML is written; pytest
+    exits non-zero."""
     import signal
 
     pytester.makepyfile(
@@ -356,6 +357,9 @@ def test_done(dist_env):
 def test_long(dist_env):
     print("long test running", flush=True)
     time.sleep(600)
+
+def test_after():
+    pass  # never starts: reported "not run"
 """
     )
     logs = pytester.path / "logs"
@@ -383,11 +387,17 @@ def test_long(dist_env):
     assert proc.returncode != 0, out
     assert leftover_processes(pytester.path) == [], out
     cases = _junit_cases(pytester.path / "junit.xml")
-    assert set(cases) == {"test_done", "test_long"}, out
+    assert set(cases) == {"test_done", "test_long", "test_after"}, out
     assert len(cases["test_done"]) == 0  # passed: no failure/skip child
     failure = cases["test_long"].find("failure")
     assert failure is not None, out
     assert "interrupted" in (failure.get("message", "") + (failure.text or "")), out
+    not_run = cases["test_after"].find("error")
+    assert not_run is not None, out
+    assert "not run: the session was interrupted (signal SIGTERM) during test_cancel.py::test_long" in (
+        not_run.get("message", "") + (not_run.text or "")
+    ), out
+    assert "megatron-fsdp: 1 test not run" in out, out
 
 
 def _junit_cases(path: Path) -> dict[str | None, ET.Element]:
