@@ -58,6 +58,14 @@ class ParentPlugin(RolePlugin):
         if self._restore_signals is None and in_main_thread:
             self._restore_signals = install_signal_handlers(self.controller)
 
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        # pytest-xdist's controller launches no rank set, so its handlers would never be armed, and
+        # SIGTERM (a CI cancel) would end it at once with no JUnit file. It takes SIGTERM as Ctrl-C,
+        # which pytest-xdist handles: its workers end (each killing its rank sets), the finished
+        # tests' results are written.
+        if session.config.pluginmanager.hasplugin("dsession"):
+            self._install_signal_handlers()
+
     # -- collection ---------------------------------------------------------------------------------
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:

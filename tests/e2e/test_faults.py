@@ -400,6 +400,60 @@ def test_after():
     assert "megatron-fsdp: 1 test not run" in out, out
 
 
+def test_sigterm_to_an_xdist_session_writes_junit_and_leaves_nothing(
+    pytester, isolated_tmp, leftover_processes
+):
+    """The same cancel under ``-n 2``: the controller takes SIGTERM as Ctrl-C, pytest-xdist ends its
+    workers (each killing its rank sets) and writes the finished test's result."""
+    import signal
+
+    pytester.makepyfile(
+        test_cancel="""
+import time
+import pytest
+
+def test_done():
+    pass
+
+@pytest.mark.distributed(world_size=2)
+def test_long(dist_env):
+    time.sleep(600)
+"""
+    )
+    logs = pytester.path / "logs"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            "--mfsdp-platform=cpu",
+            f"--mfsdp-log-dir={logs}",
+            "--junitxml=junit.xml",
+        ],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not any("test_cancel.py::test_long" in p.read_text() for p in logs.rglob("rank0.log")):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "test_long never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0, out
+    assert "KeyboardInterrupt" in out, out
+    assert leftover_processes(pytester.path) == [], out
+    cases = _junit_cases(pytester.path / "junit.xml")
+    assert "test_done" in cases, out
+    assert len(cases["test_done"]) == 0, out
+
+
 def _junit_cases(path: Path) -> dict[str | None, ET.Element]:
     """A JUnit file's test cases by name."""
     return {case.get("name"): case for case in ET.parse(path).getroot().iter("testcase")}
