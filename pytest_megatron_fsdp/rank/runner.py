@@ -228,7 +228,24 @@ class RankRunner:
 
     def _report_interrupted(self, item: pytest.Item, rank_session: RankSession, why: str) -> None:
         self.log.line(f"{item.nodeid}: {why}")
-        # a peer whose main thread could not take the signal ends once rank 0 has reported
+        self._stop_after(
+            item,
+            rank_session,
+            explain.interrupted(item.nodeid, self.rank, why),
+            explain.not_run_after_interrupt(item.nodeid, why),
+        )
+
+    def _report_harness_error(self, item: pytest.Item, rank_session: RankSession, exc: Exception) -> None:
+        trace = "".join(traceback.format_exception(exc)).rstrip()
+        self.log.line(f"{item.nodeid}: {trace}")
+        reason = explain.not_run_after_harness_error(item.nodeid, self.rank)
+        self._stop_after(item, rank_session, explain.harness_error(item.nodeid, self.rank, trace), reason)
+        item.session.shouldstop = reason
+
+    def _stop_after(self, item: pytest.Item, rank_session: RankSession, failure: str, not_run: str) -> None:
+        """The session ends with ``item``: it fails with ``failure`` (unless reported already), each
+        later test is reported not run with ``not_run``, the peers are released."""
+        # a peer whose main thread could not come back ends once rank 0 has reported
         self._stopped.peer_waits_for_the_report(rank_session)
         with contextlib.suppress(Exception):  # a peer waiting in a collective comes back
             rank_session.release_peers()
@@ -238,23 +255,8 @@ class RankRunner:
         with contextlib.suppress(Exception):
             pytest_compat.teardown_local_state(item, None)
         if not self._reported:
-            self._stopped.failed_alone(item, explain.interrupted(item.nodeid, self.rank, why))
-        self._stopped.not_run_after(item, explain.not_run_after_interrupt(item.nodeid, why))
-
-    def _report_harness_error(self, item: pytest.Item, rank_session: RankSession, exc: Exception) -> None:
-        trace = "".join(traceback.format_exception(exc)).rstrip()
-        self.log.line(f"{item.nodeid}: {trace}")
-        self._stopped.peer_waits_for_the_report(rank_session)
-        with contextlib.suppress(Exception):  # a peer waiting in a collective comes back
-            rank_session.release_peers()
-        self._exchange.mark_released()
-        with contextlib.suppress(Exception):
-            pytest_compat.teardown_local_state(item, None)
-        if not self._reported:
-            self._stopped.failed_alone(item, explain.harness_error(item.nodeid, self.rank, trace))
-        reason = explain.not_run_after_harness_error(item.nodeid, self.rank)
-        self._stopped.not_run_after(item, reason)
-        item.session.shouldstop = reason
+            self._stopped.failed_alone(item, failure)
+        self._stopped.not_run_after(item, not_run)
 
     def _log_merged(self, item: pytest.Item, merged: list[pytest.TestReport]) -> None:
         self._reported = True

@@ -363,22 +363,7 @@ def test_after():
 """
     )
     logs = pytester.path / "logs"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "--mfsdp-platform=cpu",
-            f"--mfsdp-log-dir={logs}",
-            "--junitxml=junit.xml",
-        ],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = _session_to_cancel(pytester.path, logs)
     _wait_for_start(proc, logs / "batch1-world2" / "rank0.log", "test_cancel.py::test_long")
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -421,29 +406,9 @@ def test_long(dist_env):
 """
     )
     logs = pytester.path / "logs"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-n",
-            "2",
-            "-p",
-            "no:cacheprovider",
-            "--mfsdp-platform=cpu",
-            f"--mfsdp-log-dir={logs}",
-            "--junitxml=junit.xml",
-        ],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 120
-    while not any("test_cancel.py::test_long" in p.read_text() for p in logs.rglob("rank0.log")):
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "test_long never started"
-        time.sleep(0.2)
+    proc = _session_to_cancel(pytester.path, logs, "-n", "2")
+    # each worker has a log directory of its own: the rank set under whichever took the test
+    _wait_for_start(proc, logs, "test_cancel.py::test_long")
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0, out
@@ -459,11 +424,34 @@ def _junit_cases(path: Path) -> dict[str | None, ET.Element]:
     return {case.get("name"): case for case in ET.parse(path).getroot().iter("testcase")}
 
 
+def _session_to_cancel(path: Path, logs: Path, *args: str) -> subprocess.Popen[str]:
+    """A plain pytest session in ``path`` (rank logs under ``logs``, a JUnit file), for a signal to end."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *args,
+            "-p",
+            "no:cacheprovider",
+            "--mfsdp-platform=cpu",
+            f"--mfsdp-log-dir={logs}",
+            "--junitxml=junit.xml",
+        ],
+        cwd=path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
 def _wait_for_start(proc: subprocess.Popen[str], rank_log: Path, nodeid: str) -> None:
-    """Until ``nodeid`` has run for a second on rank 0 (its START line in the rank's log)."""
+    """Until ``nodeid`` has run for a second on rank 0 (its START line in the rank's log; ``rank_log``
+    a directory: in any rank 0's log under it)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if rank_log.exists() and f"START {nodeid}" in rank_log.read_text():
+        logs = list(rank_log.rglob("rank0.log")) if rank_log.is_dir() else [rank_log]
+        if any(log.exists() and f"START {nodeid}" in log.read_text() for log in logs):
             break
         time.sleep(0.2)
     else:
