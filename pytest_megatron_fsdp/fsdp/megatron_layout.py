@@ -605,9 +605,8 @@ def apply_loaded(
     # DCP wrote into the DTensors in place (SwiGLU's _w/_v halves are views of the raw
     # tensors); load_state_dict runs Megatron-FSDP's post-load hook, which copies the loaded
     # main weights into the weights the forward pass uses (without it they stay inactive
-    # until the first optimizer step: Bridge bug #3397). (FullyShardedDataParallel.load_state_dict
-    # adds back the one "module." its state_dict adds.)
-    run.model.load_state_dict({_strip_one_module(k): v for k, v in loaded.raw_model.items()})
+    # until the first optimizer step: Bridge bug #3397).
+    run.model.load_state_dict(_as_loaded_by_the_wrapper(run.model, loaded.raw_model))
     if run.cfg.ddp.data_parallel_sharding_strategy != "no_shard":
         # Drop parameter buckets all-gathered before the load (the optimizer step prefetches
         # the next forward's): else a run that trained before loading computes its next
@@ -626,6 +625,24 @@ def apply_loaded(
             // (run.env.world_size // run.cfg.model_parallel_size)
         )
         run.scheduler.load_state_dict(train_state["scheduler"], samples_ratio=here / int(saved))
+
+
+def _as_loaded_by_the_wrapper(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (the wrapper's ``state_dict()``) keyed as ``FullyShardedDataParallel.load_state_dict``
+    takes it: it prefixes one ``module.`` and hands the dict to Megatron-FSDP, which matches keys by
+    its module tree. The keys ``state_dict()`` gives are not that tree's where a Float16Module (bf16)
+    sits in between: its ``state_dict`` drops its own ``module.``, its tree keeps it, and a strict load
+    then refuses every key (a SwiGLU or FP8 model hides this: the wrapper loads those non-strictly).
+    Each key is named by the tree's name of the module that holds it, found below all wrappers."""
+    modules: dict[str, str] = {}
+    for name, _ in model.module.named_modules():
+        modules.setdefault(strip_wrappers(name), name)
+    keyed = {}
+    for key, value in state.items():
+        owner, _, leaf = key.rpartition(".")
+        tree_owner = modules.get(strip_wrappers(owner))
+        keyed[f"{tree_owner}.{leaf}"[len("module.") :] if tree_owner else _strip_one_module(key)] = value
+    return keyed
 
 
 def _strip_one_module(key: str) -> str:

@@ -565,6 +565,21 @@ def test_megatron_lm_key_layout_for_the_bridge_reference_preset(
     assert fresh.forward_loss() == pytest.approx(before, rel=0 if dist_env.platform == "cpu" else 1e-3)
 
 
+def test_bf16_round_trip_without_swiglu_is_exact(megatron_fsdp_run, run_config, checkpoint_dir):
+    """A bf16 run (a Float16Module between Megatron-FSDP and the GPT) that megatron-core's wrapper loads
+    strictly (no SwiGLU, no FP8): every weight and the next loss as saved."""
+    run_config.model.bf16 = True
+    straight = megatron_fsdp_run(run_config)
+    straight.train(2)
+    save_checkpoint(straight, checkpoint_dir)
+    expected, before = state_snapshot(straight), straight.forward_loss()
+
+    fresh = megatron_fsdp_run(_other_seed(run_config))
+    assert load_checkpoint(fresh, checkpoint_dir) == 2
+    assert_states_equal(expected, state_snapshot(fresh))
+    assert fresh.forward_loss() == before
+
+
 def test_swiglu_round_trip_and_resume_are_exact(megatron_fsdp_run, run_config, checkpoint_dir):
     run_config.model.overrides["swiglu"] = True  # the tiny GPT with SwiGLU: fp32, no Float16Module
     straight = megatron_fsdp_run(run_config)
