@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from . import versions
+from .dtensor_caches import forget_dtensor_shardings
 
 #: the process groups the last initialize_model_parallel created (torch keeps them until destroyed)
 _MODEL_PARALLEL_GROUPS: list[Any] = []
@@ -37,6 +38,8 @@ def initialize_model_parallel(
         seed_everything(seed)
         return
     destroy_model_parallel()
+    # DTensor ops cached on the old groups' meshes would hand their meshes to the new groups' DTensors
+    forget_dtensor_shardings()
     before = set(versions.live_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,

@@ -12,8 +12,9 @@ from types import TracebackType
 
 import pytest
 
+from ..fsdp.dtensor_caches import forget_dtensor_shardings
 from .log import RankLog
-from .session import RankSession, forget_dtensor_shardings
+from .session import RankSession
 
 
 def check_after_test(
