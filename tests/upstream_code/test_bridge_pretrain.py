@@ -86,8 +86,10 @@ def config(case: Case, train_iters: int = TRAIN_ITERS, **checkpoint: Any) -> Any
     fields of Bridge's ``CheckpointConfig`` (``save``, ``load``, ``ckpt_step``, ...)."""
     cfg = bridge_config.seed_config()
     cfg.ddp.data_parallel_sharding_strategy = case.strategy
-    cfg.model.bf16 = cfg.optimizer.bf16 = case.bf16
-    cfg.model.params_dtype = torch.bfloat16 if case.bf16 else torch.float32
+    # Bridge's own precision switch: its recipe's "bf16_mixed" sets the model's, the optimizer's and
+    # DDP's dtypes when the config is finalized (over any dtype set on cfg.model by hand); None keeps
+    # the model config's own fp32
+    cfg.mixed_precision = "bf16_mixed" if case.bf16 else None
     if not case.dropout:
         cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     # batches in the rank itself: a DataLoader worker process shares each batch over an AF_UNIX socket
