@@ -69,6 +69,7 @@ from .integrity import (
     verify_files,
 )
 from .layout import (
+    BRIDGE_RUN_CONFIG_FILE,
     BRIDGE_TRAIN_STATE_KEYS,
     DIGESTS_FILE,
     FORMAT,
@@ -372,8 +373,8 @@ class _Inspection:
 
 def _unverified_warning(iter_dir: Path) -> CheckpointWarning:
     return CheckpointWarning(
-        f"{iter_dir} has no {DIGESTS_FILE} (written by Megatron-LM, or by this plugin before checkpoint "
-        "digests existed): its contents were not verified"
+        f"{iter_dir} has no {DIGESTS_FILE} (written by Megatron-LM or Megatron-Bridge, or by this plugin "
+        "before checkpoint digests existed): its contents were not verified"
     )
 
 
@@ -444,7 +445,14 @@ def _inspect(
                 f"{shard} is truncated: {shard.stat().st_size} bytes, {metadata_path} needs at least {end}"
             )
     train_state_path = iter_dir / TRAIN_STATE_FILE
-    if found.manifest is None and not train_state_path.exists():
+    bridges: dict[str, Any] | None = None
+    if found.manifest is None and train_state_path.exists():
+        try:
+            bridges = _bridges_train_state(train_state_path)
+        except _FAILURES as exc:
+            found.problems.append(f"{train_state_path} cannot be read ({_describe(exc)})")
+            return found
+    if found.manifest is None and (bridges is not None or not train_state_path.exists()):
         try:
             found.train_state = without_file(iter_dir, found.metadata)
         except _FAILURES as exc:
@@ -452,21 +460,24 @@ def _inspect(
             found.problems.append(f"the train state among {iter_dir}'s entries cannot be read ({why})")
             return found
         if found.train_state is not None:
-            if found.train_state["iteration"] != iteration:
-                found.problems.append(
-                    f"{iter_dir} says iteration {found.train_state['iteration']!r}; expected {iteration}"
-                )
+            saved = found.train_state["iteration"]
+            if bridges is not None and int(bridges["step"]) != saved:
+                step = int(bridges["step"])
+                found.problems.append(f"{train_state_path} says step {step}, {iter_dir}'s entries {saved}")
+            elif saved != iteration:
+                found.problems.append(f"{iter_dir} says iteration {saved!r}; expected {iteration}")
+            return found
+        if bridges is not None:
+            step = int(bridges["step"])
+            found.problems.append(
+                f"{train_state_path} is Megatron-Bridge's train state (step {step}): {iter_dir} is a "
+                f"Megatron-Bridge checkpoint, which this loader reads only into a megatron-core run and "
+                f"with Bridge's {BRIDGE_RUN_CONFIG_FILE} beside it; resume it with Megatron-Bridge "
+                "(checkpoint.load)"
+            )
             return found
     try:
         found.train_state = torch.load(train_state_path, weights_only=True)
-        if isinstance(found.train_state, dict) and found.train_state.keys() >= BRIDGE_TRAIN_STATE_KEYS:
-            step = found.train_state["step"]
-            found.problems.append(
-                f"{train_state_path} is Megatron-Bridge's train state (step {int(step)}): {iter_dir} is a "
-                "Megatron-Bridge checkpoint, which this loader does not read (it has no Megatron-LM `args`); "
-                "resume it with Megatron-Bridge (checkpoint.load), or load this plugin's or Megatron-LM's"
-            )
-            return found
         if found.train_state.get("iteration") != iteration or found.train_state.get("ckpt_format") != FORMAT:
             found.problems.append(
                 f"{train_state_path} says iteration {found.train_state.get('iteration')!r}, "
@@ -477,6 +488,15 @@ def _inspect(
     if verify_all and found.manifest is not None and not found.problems:
         found.problems += verify_files(iter_dir, found.manifest, set(needed) | set(found.manifest))
     return found
+
+
+def _bridges_train_state(path: Path) -> dict[str, Any] | None:
+    """``path`` as Megatron-Bridge's own ``train_state.pt`` (Bridge's counters and nothing of this
+    plugin's); None for one this plugin wrote (Bridge's entries beside its own)."""
+    state = torch.load(path, weights_only=True)
+    if isinstance(state, dict) and state.keys() >= BRIDGE_TRAIN_STATE_KEYS and "ckpt_format" not in state:
+        return cast("dict[str, Any]", state)
+    return None
 
 
 def checkpoint_problems(

@@ -9,6 +9,7 @@ errors and warnings checkpoints raise: plain Python, no torch.
     <dir>/iter_0000005/__<rank>_0.distcp      the shards, one file per rank that saved
     <dir>/iter_0000005/train_state.pt         the train state, inside the iteration it belongs to
     <dir>/iter_0000005/digests.json           a digest of every other file of the iteration
+    <dir>/iter_0000005/run_config.yaml        Megatron-Bridge's config (Bridge's checkpoints only)
     <dir>/iter_0000006.tmp-<uuid>/            a save in progress (or killed): never loaded
 """
 
@@ -24,10 +25,24 @@ TRAIN_STATE_FILE = "train_state.pt"
 METADATA_FILE = ".metadata"
 DIGESTS_FILE = "digests.json"
 FORMAT = "fsdp_dtensor"
-#: entries of Megatron-Bridge's own ``train_state.pt`` (its ``TrainState.state_dict()``), which has
-#: this layout's file name but not its content (tests/unit/test_bridge_config.py checks them against
-#: Bridge's class)
-BRIDGE_TRAIN_STATE_KEYS = frozenset({"step", "consumed_train_samples", "floating_point_operations_so_far"})
+#: the entries of Megatron-Bridge's own ``train_state.pt`` (its ``TrainState.state_dict()``): Megatron-LM's
+#: layout writes them beside its own, so that Bridge's loader reads a checkpoint of this plugin, and reads a
+#: Bridge checkpoint's train state from them (tests/unit/test_bridge_config.py checks them against Bridge's
+#: class)
+BRIDGE_TRAIN_STATE_KEYS = frozenset(
+    {
+        "step",
+        "consumed_train_samples",
+        "skipped_train_samples",
+        "consumed_valid_samples",
+        "floating_point_operations_so_far",
+        "do_train",
+        "do_valid",
+        "do_test",
+    }
+)
+#: Megatron-Bridge's copy of its ``ConfigContainer`` in each iteration directory
+BRIDGE_RUN_CONFIG_FILE = "run_config.yaml"
 #: the directory a save writes into before it is complete: ``iter_0000006.tmp-<uuid>``
 _PARTIAL_SAVE = re.compile(r"^iter_\d{7,}\.tmp-[0-9a-f]+$")
 

@@ -32,7 +32,7 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from . import versions
 from .config import validate
-from .layout import FORMAT, CheckpointError, CheckpointWarning
+from .layout import BRIDGE_RUN_CONFIG_FILE, FORMAT, CheckpointError, CheckpointWarning
 
 if TYPE_CHECKING:
     from .run import MegatronCoreRun
@@ -303,11 +303,28 @@ def check(run: MegatronCoreRun, purpose: str) -> None:
     validate(run.cfg, run.env.world_size, purpose=purpose)
 
 
+def bridge_train_state(step: int, consumed_train_samples: int) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge's ``TrainState.state_dict()`` after ``step`` training iterations, for Bridge's
+    loader (it reads ``train_state.pt`` with ``TrainState.load_state_dict``, which takes these
+    entries and ignores the others)."""
+    return {
+        "step": torch.tensor(step, dtype=torch.int64),
+        "consumed_train_samples": torch.tensor(consumed_train_samples, dtype=torch.int64),
+        "skipped_train_samples": torch.tensor(0, dtype=torch.int64),
+        "consumed_valid_samples": torch.tensor(0, dtype=torch.int64),
+        "floating_point_operations_so_far": torch.tensor(0.0, dtype=torch.float64),
+        "do_train": torch.tensor(True),
+        "do_valid": torch.tensor(False),
+        "do_test": torch.tensor(False),
+    }
+
+
 def train_state(run: MegatronCoreRun) -> dict[str, Any]:
-    """Plain data only, so that it loads with ``torch.load(weights_only=True)``."""
+    """Plain data only, so that it loads with ``torch.load(weights_only=True)``; Bridge's entries too."""
     from megatron.core import parallel_state
 
     return {
+        **bridge_train_state(int(run.iteration), int(run.iteration) * int(run.global_batch_size)),
         "iteration": int(run.iteration),
         "ckpt_format": FORMAT,
         "world_size": int(run.env.world_size),
@@ -370,18 +387,27 @@ def megatron_lm_arguments(run: MegatronCoreRun) -> argparse.Namespace:
 
 
 def train_state_without_file(iter_dir: Path, metadata: Metadata) -> dict[str, Any] | None:
-    """The train state of a checkpoint Megatron-LM wrote (no ``train_state.pt``): from its own DCP
-    entries ``iteration``, ``args`` and ``opt_param_scheduler``, read in this process alone. None for
-    a checkpoint without those entries. Unpickles ``args`` (DCP unpickles every non-tensor entry):
-    the caller has warned that such a checkpoint is not verified."""
+    """The train state of a checkpoint Megatron-LM or Megatron-Bridge wrote (Megatron-LM's has no
+    ``train_state.pt``; Bridge's holds only Bridge's counters): from its own DCP entries
+    ``iteration``, ``opt_param_scheduler`` and Megatron-LM's ``args`` or Bridge's config file
+    (``run_config.yaml``), read in this process alone. None for a checkpoint with neither. Unpickles
+    ``args`` (DCP unpickles every non-tensor entry): the caller has warned that such a checkpoint is
+    not verified."""
     saved = metadata.state_dict_metadata
-    if "iteration" not in saved or "args" not in saved:
+    bridge_config = iter_dir / BRIDGE_RUN_CONFIG_FILE
+    if "iteration" not in saved or ("args" not in saved and not bridge_config.is_file()):
         return None
-    entries: dict[str, Any] = {"iteration": None, "args": None}
+    entries: dict[str, Any] = {"iteration": None}
+    if "args" in saved:
+        entries["args"] = None
     scheduler = _template(metadata, "opt_param_scheduler.")
     if scheduler:
         entries["opt_param_scheduler"] = scheduler
     state_dict_loader.load(entries, storage_reader=FileSystemReader(iter_dir), no_dist=True)
+    if "args" not in entries:
+        return _bridge_train_state_of(
+            bridge_config, int(entries["iteration"]), entries.get("opt_param_scheduler")
+        )
     args = entries["args"]
     return {
         "iteration": int(entries["iteration"]),
@@ -556,11 +582,17 @@ def restore_run_state(
     iteration = int(train_state["iteration"])
     generator = torch.Generator().manual_seed(data_stream_reseed(seed, iteration, dp_rank))
     run.load_data_stream_state(generator.get_state())
+    why = (
+        f"loaded at data-parallel size {dp_size}, saved at {saved_dp}"
+        if saved_dp
+        # Megatron-LM's and Bridge's loops put their data iterators back from the consumed-samples count
+        else "the checkpoint holds no data stream of this plugin (Megatron-LM or Megatron-Bridge wrote it)"
+    )
     warnings.warn(
         CheckpointWarning(
-            f"loaded at data-parallel size {dp_size}, saved at {saved_dp}: each rank's data stream "
-            f"restarts from a position derived from (seed {seed}, iteration {iteration}, data-parallel "
-            "rank); the samples differ from those of an uninterrupted run"
+            f"{why}: each rank's data stream restarts from a position derived from (seed {seed}, "
+            f"iteration {iteration}, data-parallel rank); the samples differ from those of an "
+            "uninterrupted run"
         ),
         stacklevel=3,
     )
@@ -635,7 +667,8 @@ def _as_loaded_by_the_wrapper(model: torch.nn.Module, state: dict[str, Any]) -> 
     then refuses every key (a SwiGLU or FP8 model hides this: the wrapper loads those non-strictly).
     Each key is named by the tree's name of the module that holds it, found below all wrappers."""
     modules: dict[str, str] = {}
-    for name, _ in model.module.named_modules():
+    tree = cast(torch.nn.Module, model.module)
+    for name, _ in tree.named_modules():
         modules.setdefault(strip_wrappers(name), name)
     keyed = {}
     for key, value in state.items():
@@ -647,3 +680,28 @@ def _as_loaded_by_the_wrapper(model: torch.nn.Module, state: dict[str, Any]) -> 
 
 def _strip_one_module(key: str) -> str:
     return key[len("module.") :] if key.startswith("module.") else key
+
+
+def _bridge_train_state_of(run_config: Path, iteration: int, scheduler: Any) -> dict[str, Any]:
+    """The train state of a Megatron-Bridge checkpoint, its sizes and seed from Bridge's config file
+    (the world size is not recorded there: a load at another data-parallel size says what it found)."""
+    try:
+        import yaml  # type: ignore[import-untyped]  # Bridge's dependency; no stubs here
+    except ModuleNotFoundError as missing:
+        raise CheckpointError(
+            f"{run_config} (Megatron-Bridge's config) needs PyYAML to be read: pip install pyyaml"
+        ) from missing
+    config = yaml.safe_load(run_config.read_text())
+    model, train = config["model"], config["train"]
+    return {
+        "iteration": iteration,
+        "ckpt_format": FORMAT,
+        "global_batch_size": int(train["global_batch_size"]),
+        "tensor_model_parallel_size": int(model["tensor_model_parallel_size"]),
+        "pipeline_model_parallel_size": int(model["pipeline_model_parallel_size"]),
+        "context_parallel_size": int(model.get("context_parallel_size") or 1),
+        "sharding_strategy": config["ddp"].get("data_parallel_sharding_strategy"),
+        "seed": int(config["rng"]["seed"]),
+        "saved_by": {"megatron-bridge": "save_checkpoint"},
+        "scheduler": scheduler,
+    }

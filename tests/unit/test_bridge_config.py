@@ -258,11 +258,18 @@ def test_the_seeds_llama3_8b_recipe_reads_its_hf_config_offline_and_passes_bridg
     assert any(locks.iterdir())  # the lock went where it was told
 
 
-def test_bridges_train_state_has_the_entries_the_plugins_loader_recognises(bridge):
-    """The plugin's loader tells Bridge's ``train_state.pt`` (same file name, other content) by these
-    entries: Bridge's own TrainState must still write them."""
+def test_bridges_train_state_has_the_entries_the_plugin_writes_and_recognises(bridge):
+    """The plugin's checkpoints carry Bridge's ``train_state.pt`` entries (Bridge's loader reads them),
+    and its loader tells Bridge's own file by them: Bridge's TrainState must write exactly these, and
+    load what the plugin writes."""
     from megatron.bridge.training.state import TrainState
 
     from pytest_megatron_fsdp.fsdp.layout import BRIDGE_TRAIN_STATE_KEYS
+    from pytest_megatron_fsdp.fsdp.megatron_layout import bridge_train_state
 
-    assert set(TrainState().state_dict()) >= BRIDGE_TRAIN_STATE_KEYS
+    assert set(TrainState().state_dict()) == BRIDGE_TRAIN_STATE_KEYS
+    written = bridge_train_state(step=7, consumed_train_samples=28)
+    assert set(written) == BRIDGE_TRAIN_STATE_KEYS
+    loaded = TrainState()
+    loaded.load_state_dict({**written, "iteration": 7, "ckpt_format": "fsdp_dtensor"})
+    assert (loaded.step, loaded.consumed_train_samples, loaded.do_train) == (7, 28, True)

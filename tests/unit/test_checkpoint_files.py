@@ -252,22 +252,36 @@ def test_train_state_of_another_iteration(legacy):
     assert "says iteration 4" in problems[0]
 
 
-def test_a_megatron_bridge_checkpoint_is_refused_in_one_line(legacy):
-    """Bridge writes ``train_state.pt`` too, with its own TrainState's entries (as tensors)."""
+def test_a_megatron_bridge_checkpoint_without_its_config_is_refused_in_one_line(legacy):
+    """Bridge writes ``train_state.pt`` too, with its own TrainState's entries (as tensors); without
+    Bridge's ``run_config.yaml`` (its sizes and seed) the loader cannot read it, and says so."""
     bridge_state = {
         "step": torch.tensor(5),
         "consumed_train_samples": torch.tensor(40),
+        "skipped_train_samples": torch.tensor(0),
+        "consumed_valid_samples": torch.tensor(0),
         "floating_point_operations_so_far": torch.tensor(0.0, dtype=torch.float64),
         "do_train": torch.tensor(True),
+        "do_valid": torch.tensor(False),
+        "do_test": torch.tensor(False),
     }
     torch.save(bridge_state, legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE)
     _, problems = checkpoint_problems(legacy)
     assert problems == [
         f"{legacy / 'iter_0000005' / ckpt.TRAIN_STATE_FILE} is Megatron-Bridge's train state (step 5): "
-        f"{legacy / 'iter_0000005'} is a Megatron-Bridge checkpoint, which this loader does not read (it has "
-        "no Megatron-LM `args`); resume it with Megatron-Bridge (checkpoint.load), or load this plugin's or "
-        "Megatron-LM's"
+        f"{legacy / 'iter_0000005'} is a Megatron-Bridge checkpoint, which this loader reads only into a "
+        "megatron-core run and with Bridge's run_config.yaml beside it; resume it with Megatron-Bridge "
+        "(checkpoint.load)"
     ]
+
+
+def test_the_plugins_train_state_with_bridges_entries_is_not_taken_for_bridges(legacy):
+    """The plugin's own train state carries Bridge's entries too: it is still read as the plugin's."""
+    from pytest_megatron_fsdp.fsdp.megatron_layout import bridge_train_state
+
+    path = legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE
+    torch.save({**torch.load(path, weights_only=True), **bridge_train_state(5, 40)}, path)
+    assert checkpoint_problems(legacy) == (5, [])
 
 
 class Payload:

@@ -19,6 +19,7 @@ next iteration starts from.
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from dcp_files import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
+from pytest_megatron_fsdp.checkpoint import CheckpointWarning, load_checkpoint, save_checkpoint
 from pytest_megatron_fsdp.fsdp import bridge_config, versions
 
 if versions.megatron_bridge_problem():
@@ -208,20 +210,116 @@ def test_a_checkpoint_loaded_twice_in_one_process_resumes_at_its_own_step(uninte
     assert sorted(again.losses) == [3, 4], again.losses
 
 
-def test_the_plugins_loader_refuses_bridges_checkpoint_in_one_line(uninterrupted):
-    """Bridge's checkpoint has the plugin's file names (``train_state.pt``) with Bridge's content and
-    no Megatron-LM ``args``: the plugin's loader says so in one line instead of misreading it."""
-    from pytest_megatron_fsdp.fsdp.checkpoint import checkpoint_problems
+#: what the interchange tests compare: every model weight and every optimizer-state tensor
+MODEL_AND_OPTIMIZER = ("model.", "optimizer.state.")
+
+
+def model_and_optimizer(checkpoint: Path, iteration: int) -> dict[str, torch.Tensor]:
+    return {
+        k: v
+        for k, v in tensors(iteration_dir(checkpoint, iteration)).items()
+        if k.startswith(MODEL_AND_OPTIMIZER)
+    }
+
+
+def the_recipes_model_in_the_plugin(run_config: Any, case: Case) -> Any:
+    """``run_config`` (the plugin's own run) made the GPT of Bridge's recipe at CPU size for ``case``:
+    its sizes and vocabulary from Bridge's config; on a load, the schedule the checkpoint's (a loaded
+    schedule that differs from the run's own stops megatron-core's scheduler)."""
+    bridge = config(case)
+    model = bridge.model
+    run_config.model.overrides.update(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        seq_length=model.seq_length,
+        vocab_size=bridge.tokenizer.vocab_size,
+    )
+    run_config.model.bf16 = case.bf16
+    run_config.scheduler.use_checkpoint_opt_param_scheduler = True
+    return run_config
+
+
+@pytest.fixture
+def bridges_checkpoint(
+    uninterrupted: Callable[[Case], tuple[Run, Path]], request: pytest.FixtureRequest
+) -> Path:
+    """The uninterrupted run's checkpoints of the test's case, made before the plugin's fixtures set up
+    Megatron's parallel state (Bridge's ``pretrain()`` destroys it when it ends)."""
+    return uninterrupted(request.param)[1]
+
+
+@pytest.mark.parametrize("bridges_checkpoint", [Case(), Case(bf16=True)], ids=str, indirect=True)
+def test_bridges_checkpoint_loads_into_the_plugins_run(
+    bridges_checkpoint, megatron_fsdp_run, run_config, checkpoint_dir, request
+):
+    """The plugin's loader reads a checkpoint Bridge's ``pretrain()`` saved (its train state from
+    Bridge's counters, config file and entries) into the plugin's run of the same model: saved again by
+    the plugin, every model and optimizer tensor equals Bridge's; then it trains on."""
+    case = request.node.callspec.params["bridges_checkpoint"]
+    run = megatron_fsdp_run(the_recipes_model_in_the_plugin(run_config, case))
+    with pytest.warns(CheckpointWarning) as warned:
+        assert load_checkpoint(run, bridges_checkpoint, SAVED_AT) == SAVED_AT
+    said = [str(w.message) for w in warned]
+    assert any("has no digests.json (written by Megatron-LM or Megatron-Bridge" in m for m in said), said
+    assert any(m.startswith("the checkpoint holds no data stream of this plugin") for m in said), said
+    assert run.iteration == SAVED_AT
+    save_checkpoint(run, checkpoint_dir)
+    saved = model_and_optimizer(bridges_checkpoint, SAVED_AT)
+    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
+    assert differences(saved, model_and_optimizer(checkpoint_dir, SAVED_AT)) == []
+    losses = run.train(1).losses
+    assert len(losses) == 1, losses
+    assert math.isfinite(losses[0]), losses
+
+
+@pytest.mark.parametrize("case", [Case(), Case(bf16=True)], ids=str)
+def test_the_plugins_checkpoint_loads_into_bridges_run(
+    case, megatron_fsdp_run, run_config, checkpoint_dir, shared_dir
+):
+    """Bridge's loader reads a checkpoint the plugin saved of the same model (Bridge's train state
+    entries beside the plugin's): Bridge resumes at its step, and its own save of what it loaded
+    equals the plugin's checkpoint in every model and optimizer tensor."""
+    run = megatron_fsdp_run(the_recipes_model_in_the_plugin(run_config, case))
+    run.train(SAVED_AT)
+    save_checkpoint(run, checkpoint_dir)
+    resaved = shared_dir / f"bridge-resaved-{case}"
+    # train_iters at the saved step: Bridge loads, trains nothing, and saves what it loaded (its
+    # save at the end of training; save_interval keeps the step off the interval)
+    bridge = pretrain(
+        config(
+            case,
+            train_iters=SAVED_AT,
+            load=str(checkpoint_dir),
+            ckpt_step=SAVED_AT,
+            save=str(resaved),
+            save_interval=SAVED_AT + 1,
+        )
+    )
+    assert bridge.losses == {}, bridge.losses
+    saved = model_and_optimizer(checkpoint_dir, SAVED_AT)
+    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
+    assert differences(saved, model_and_optimizer(resaved, SAVED_AT)) == []
+
+
+def test_a_fully_shard_run_refuses_bridges_checkpoint_in_one_line(uninterrupted):
+    """A layout that reads only its own checkpoints (the standalone ``fully_shard`` API's) says in one
+    line that the checkpoint is Bridge's, instead of misreading it."""
+    from pytest_megatron_fsdp.fsdp import fully_shard_layout
+    from pytest_megatron_fsdp.fsdp.checkpoint import _inspect
 
     _, whole_save = uninterrupted(Case())
-    iteration, problems = checkpoint_problems(whole_save)
-    state = iteration_dir(whole_save, TRAIN_ITERS) / "train_state.pt"
-    assert iteration == TRAIN_ITERS
-    assert len(problems) == 1, problems
-    assert problems[0].startswith(f"{state} is Megatron-Bridge's train state (step {TRAIN_ITERS}): "), (
-        problems
+    found = _inspect(
+        whole_save, None, verify_all=True, without_file=fully_shard_layout.train_state_without_file
     )
-    assert "resume it with Megatron-Bridge (checkpoint.load)" in problems[0], problems
+    state = iteration_dir(whole_save, TRAIN_ITERS) / "train_state.pt"
+    assert found.iteration == TRAIN_ITERS
+    assert len(found.problems) == 1, found.problems
+    assert found.problems[0].startswith(f"{state} is Megatron-Bridge's train state (step {TRAIN_ITERS}): "), (
+        found.problems
+    )
+    assert "resume it with Megatron-Bridge (checkpoint.load)" in found.problems[0], found.problems
 
 
 def test_the_rng_state_saved_and_loaded_is_the_next_iterations(uninterrupted, shared_dir):
