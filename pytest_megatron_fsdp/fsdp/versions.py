@@ -655,6 +655,20 @@ MLM_PARTIAL_FSDP_DTENSOR_LOAD = KnownBug(
     first="0.19",
 )
 
+#: Megatron-LM's ``load_checkpoint`` (fsdp_dtensor) first reads the checkpoint's ``args``, ``iteration``
+#: and ``checkpoint_version`` with DCP's default (strict) planner (``_load_base_checkpoint(rank0=True)``,
+#: the format probe), so a checkpoint without ``args`` (Megatron-Bridge writes none) is refused there,
+#: whatever ``--no-strict-fsdp-dtensor-load`` says, though the loader goes on to handle a missing
+#: ``args`` ("could not find arguments in the checkpoint").
+MLM_FSDP_DTENSOR_LOAD_NEEDS_ARGS = KnownBug(
+    "upstream bug (measured on megatron-core 0.19.2; Megatron-LM main of 2026-08-22 has the same code): "
+    "Megatron-LM's load_checkpoint refuses an fsdp_dtensor checkpoint without args, e.g. one Megatron-Bridge "
+    "saved ('Missing key in checkpoint state_dict: args.', its format probe reads args strictly), though it "
+    "handles a missing args afterwards; no upstream report found",
+    fixed_in=None,
+    first="0.19",
+)
+
 MLM_V2_OPTIMIZER_CHECKPOINT = KnownBug(
     "upstream limitation (measured on Megatron-LM main of 2026-08-22, megatron-core 0.20.0): Megatron-LM's "
     "save_checkpoint refuses a Megatron-FSDP V2 run (NotImplementedError: MFSDP v2 optimizer checkpointing "
@@ -681,6 +695,7 @@ KNOWN_BUGS = {
     "bridge_train_state_cache": BRIDGE_TRAIN_STATE_CACHE_ALIASED,
     "mlm_partial_fsdp_dtensor_load": MLM_PARTIAL_FSDP_DTENSOR_LOAD,
     "mlm_v2_optimizer_checkpoint": MLM_V2_OPTIMIZER_CHECKPOINT,
+    "mlm_fsdp_dtensor_load_needs_args": MLM_FSDP_DTENSOR_LOAD_NEEDS_ARGS,
 }
 
 

@@ -7,6 +7,9 @@ skips itself where Bridge cannot be imported."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 
 from pytest_megatron_fsdp.options import session_values
@@ -21,3 +24,13 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
             f"{collector.path.parent.name}/: these tests run in the foreign-suite mode: add "
             "--mfsdp-foreign-suite=true (make upstream-code runs them under torchrun)"
         )
+
+
+@pytest.fixture
+def megatron_lm_args(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
+    """``megatron_lm_args(run, save=None, load=None, *flags)``: Megatron-LM's global arguments for the
+    plugin's ``run`` (``mlm_args.megatron_lm_args``; imported here only when a test asks, since
+    ``megatron.training`` exists on some stacks only)."""
+    import mlm_args
+
+    yield from mlm_args.megatron_lm_args(monkeypatch)
