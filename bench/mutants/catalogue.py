@@ -535,6 +535,18 @@ MUTANTS: tuple[Mutant, ...] = (
         probe="test_checkpoint_contents.py::test_swiglu_halves_on_disk_are_the_gate_and_the_linear_half",
     ),
     Mutant(
+        "dtensor_rows_of_a_3d_parameter",
+        "checkpoint contents",
+        both("param_and_grad_buffer.py"),
+        "    if len(orig_param.shape) > 1:\n        local_shape = (-1, *orig_param.shape[1:])\n",
+        "    if len(orig_param.shape) > 1:\n        local_shape = (-1, orig_param.shape[-1])\n",
+        """make_fsdp_dtensor views a rank's shard as rows of the parameter's last dimension only: the
+        same for every 2-D weight, wrong for a convolution's (channels x 1 x kernel, as hybrid models
+        have). Both entry points' state dicts and fsdp_dtensor checkpoints. Symptom: a 3-D weight's
+        DTensor has 2-D shards; its save or load fails, or loads another shape.""",
+        probe="test_three_dimensional_parameters.py::test_a_convolution_weight_round_trips_through_a_checkpoint",
+    ),
+    Mutant(
         "rng_states_not_restored",
         "checkpoint contents",
         (MCORE + "tensor_parallel/random.py",),
