@@ -1097,6 +1097,18 @@ MUTANTS: tuple[Mutant, ...] = (
         probe="test_bridge_pretrain.py::test_a_fine_tune_load_gives_the_saved_weights_from_the_first_step",
     ),
     Mutant(
+        "bridge_megatron_lm_step_lost",
+        "upstream checkpointing",
+        (BRIDGE + "training/checkpointing.py",),
+        '    legacy_train_state.step = state_dict.get("iteration", 0)\n',
+        "    legacy_train_state.step = 0\n",
+        """Megatron-Bridge loads a checkpoint Megatron-LM's save_checkpoint wrote (no train_state.pt) at
+        step 0: the train state it builds from the checkpoint's entries loses the iteration. Symptom:
+        a resumed run trains its iterations again from the start, on the loaded weights.""",
+        suite=UPSTREAM_CODE_SUITE,
+        probe="test_bridge_pretrain.py::test_megatron_lms_checkpoint_loads_into_bridges_run",
+    ),
+    Mutant(
         "bridge_strict_load_ignored",
         "upstream checkpointing",
         (BRIDGE + "training/checkpointing.py",),
