@@ -664,7 +664,8 @@ MLM_FSDP_DTENSOR_LOAD_NEEDS_ARGS = KnownBug(
     "upstream bug (measured on megatron-core 0.19.2; Megatron-LM main of 2026-08-22 has the same code): "
     "Megatron-LM's load_checkpoint refuses an fsdp_dtensor checkpoint without args, e.g. one Megatron-Bridge "
     "saved ('Missing key in checkpoint state_dict: args.', its format probe reads args strictly), though it "
-    "handles a missing args afterwards; no upstream report found",
+    "handles a missing args afterwards; no upstream report found; reproduction: "
+    "tests/upstream_code/test_bridge_pretrain.py",
     fixed_in=None,
     first="0.19",
 )
