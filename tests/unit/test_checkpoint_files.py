@@ -7,6 +7,7 @@ sealing and publishing steps run as in a save.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import stat
@@ -282,6 +283,71 @@ def test_the_plugins_train_state_with_bridges_entries_is_not_taken_for_bridges(l
     path = legacy / "iter_0000005" / ckpt.TRAIN_STATE_FILE
     torch.save({**torch.load(path, weights_only=True), **bridge_train_state(5, 40)}, path)
     assert checkpoint_problems(legacy) == (5, [])
+
+
+BRIDGE_RUN_CONFIG = """\
+_target_: megatron.bridge.training.config.ConfigContainer
+model:
+  tensor_model_parallel_size: 1
+  pipeline_model_parallel_size: 1
+  context_parallel_size: 1
+train:
+  global_batch_size: 8
+ddp:
+  data_parallel_sharding_strategy: optim_grads_params
+rng:
+  seed: 1234
+"""
+
+
+def _bridge_checkpoint(root, *, step=5, saved_iteration=5):
+    """A checkpoint in Megatron-Bridge's layout: its DCP entries (``iteration`` among them), its own
+    ``train_state.pt`` (Bridge's TrainState entries only), its ``run_config.yaml``, no digests."""
+    from pytest_megatron_fsdp.fsdp.megatron_layout import bridge_train_state
+
+    iter_dir = root / ckpt.iteration_dir_name(5)
+    iter_dir.mkdir()
+    dcp.save({"iteration": saved_iteration, "w": torch.ones(8)}, checkpoint_id=iter_dir, no_dist=True)
+    torch.save(bridge_train_state(step, 40), iter_dir / ckpt.TRAIN_STATE_FILE)
+    (iter_dir / "run_config.yaml").write_text(BRIDGE_RUN_CONFIG)
+    (root / ckpt.TRACKER_FILE).write_text("5")
+    return iter_dir
+
+
+def _assert_pyyaml_is_asked_for(root):
+    """Where PyYAML is missing (the floor stack, which has no Bridge), a Bridge checkpoint's config
+    cannot be read: one problem line saying what to install."""
+    _, problems = checkpoint_problems(root)
+    assert len(problems) == 1, problems
+    assert "(Megatron-Bridge's config) needs PyYAML to be read: pip install pyyaml" in problems[0], problems
+
+
+def test_a_megatron_bridge_checkpoint_is_read_from_its_entries_and_config(tmp_path):
+    """Its train state from the ``iteration`` entry and Bridge's ``run_config.yaml`` (PyYAML, which
+    Bridge installs; without it, one line saying so); not verified (no digests)."""
+    from pytest_megatron_fsdp.fsdp.megatron_layout import train_state_without_file
+
+    iter_dir = _bridge_checkpoint(tmp_path)
+    if importlib.util.find_spec("yaml") is None:
+        _assert_pyyaml_is_asked_for(tmp_path)
+        return
+    with pytest.warns(CheckpointWarning, match="written by Megatron-LM or Megatron-Bridge"):
+        assert checkpoint_problems(tmp_path) == (5, [])
+    state = train_state_without_file(iter_dir, dcp.FileSystemReader(iter_dir).read_metadata())
+    assert state is not None
+    assert (state["iteration"], state["global_batch_size"], state["seed"]) == (5, 8, 1234)
+    assert state["sharding_strategy"] == "optim_grads_params"
+
+
+def test_a_megatron_bridge_checkpoint_whose_step_and_entries_disagree_is_refused(tmp_path):
+    iter_dir = _bridge_checkpoint(tmp_path, step=4)
+    if importlib.util.find_spec("yaml") is None:
+        _assert_pyyaml_is_asked_for(tmp_path)
+        return
+    assert checkpoint_problems(tmp_path) == (
+        5,
+        [f"{iter_dir / ckpt.TRAIN_STATE_FILE} says step 4, {iter_dir}'s entries 5"],
+    )
 
 
 class Payload:
