@@ -42,7 +42,7 @@ from dcp_files import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from pytest_megatron_fsdp.checkpoint import CheckpointWarning, load_checkpoint, save_checkpoint
-from pytest_megatron_fsdp.fsdp import bridge_config, versions
+from pytest_megatron_fsdp.fsdp import bridge_config, parallel, versions
 
 if versions.megatron_bridge_problem():
     pytest.skip(versions.megatron_bridge_problem() or "", allow_module_level=True)
@@ -200,6 +200,34 @@ def test_bridges_checkpoint_resumes_under_another_sharding_strategy(loaded_into,
     assert resumed.losses[4] == pytest.approx(whole.losses[4], rel=1e-4), (resumed.losses, whole.losses)
 
 
+def test_bridges_checkpoint_loads_at_another_tensor_parallel_size(uninterrupted, shared_dir):
+    """Saved on 2 data-parallel ranks (tp=1), loaded by Bridge with each layer split over both ranks
+    (tp=2, a data-parallel group of one): DCP reshards every tensor, and Bridge's own save of what it
+    loaded equals the checkpoint in every model and optimizer tensor."""
+    case = Case()
+    _, whole_save = uninterrupted(case)
+    # a directory of its own: Bridge's read_train_state cache (bridge_train_state_cache) would hand
+    # out the train state another test's resume from the same path left
+    source = copied(whole_save, shared_dir / "to-load-at-tp2")
+    # Bridge builds Megatron's parallel state for tp=2 itself; the one an earlier test left is tp=1
+    parallel.destroy_model_parallel()
+    resaved = shared_dir / "bridge-at-tp2"
+    cfg = config(
+        case,
+        train_iters=SAVED_AT,
+        load=str(source),
+        ckpt_step=SAVED_AT,
+        save=str(resaved),
+        save_interval=SAVED_AT + 1,
+    )
+    cfg.model.tensor_model_parallel_size = 2
+    bridge = pretrain(cfg)
+    assert bridge.losses == {}, bridge.losses
+    saved = model_and_optimizer(whole_save, SAVED_AT)
+    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
+    assert differences(saved, model_and_optimizer(resaved, SAVED_AT)) == []
+
+
 def test_a_checkpoint_loaded_twice_in_one_process_resumes_at_its_own_step(uninterrupted, shared_dir, request):
     """Two resumes from one checkpoint in one process (a notebook, a test session, a job that trains
     twice): each starts at the saved step."""
@@ -255,13 +283,23 @@ def bridges_checkpoint(
     return uninterrupted(request.param)[1]
 
 
-@pytest.mark.parametrize("bridges_checkpoint", [Case(), Case(bf16=True)], ids=str, indirect=True)
+@pytest.mark.parametrize(
+    "bridges_checkpoint",
+    [
+        pytest.param(Case(), id="fp32"),
+        pytest.param(Case(bf16=True), id="bf16"),
+        # saved on 2 data-parallel ranks, loaded with each layer split over both (tp=2, dp=1)
+        pytest.param(Case(), id="fp32-into-tp2", marks=pytest.mark.distributed(world_size=2, tp=2)),
+    ],
+    indirect=True,
+)
 def test_bridges_checkpoint_loads_into_the_plugins_run(
     bridges_checkpoint, megatron_fsdp_run, run_config, checkpoint_dir, request
 ):
     """The plugin's loader reads a checkpoint Bridge's ``pretrain()`` saved (its train state from
-    Bridge's counters, config file and entries) into the plugin's run of the same model: saved again by
-    the plugin, every model and optimizer tensor equals Bridge's; then it trains on."""
+    Bridge's counters, config file and entries) into the plugin's run of the same model, also at
+    another tensor-parallel size: saved again by the plugin, every model and optimizer tensor equals
+    Bridge's; then it trains on."""
     case = request.node.callspec.params["bridges_checkpoint"]
     run = megatron_fsdp_run(the_recipes_model_in_the_plugin(run_config, case))
     with pytest.warns(CheckpointWarning) as warned:
