@@ -98,8 +98,10 @@ def test_a_convolution_weight_trains_as_under_ddp(
         pytest.param(1, marks=pytest.mark.distributed(world_size=2)),
         # each layer split over both ranks, the convolution replicated on them (a data-parallel group of one)
         pytest.param(2, marks=pytest.mark.distributed(world_size=2, tp=2)),
+        # both: Megatron-FSDP shards over the data-parallel pair of each tensor-parallel rank
+        pytest.param(2, marks=pytest.mark.distributed(world_size=4, tp=2)),
     ],
-    ids=["tp1", "tp2"],
+    ids=["tp1", "tp2", "tp2-dp2"],
 )
 def test_a_convolution_weight_round_trips_through_a_checkpoint(
     known_bug, megatron_fsdp_run, run_config, checkpoint_dir, tp
