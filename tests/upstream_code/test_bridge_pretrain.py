@@ -10,6 +10,10 @@ Resuming is judged exactly: a run of 4 iterations saves at 2 and 4; a fresh run 
 and trains to 4. Its losses at iterations 3 and 4 and its iteration-4 checkpoint (every tensor: the
 model's, the optimizer's) must equal the uninterrupted run's, bit for bit.
 
+Checkpoints are exchanged with the plugin's loader and Megatron-LM's on the same model (the plugin's GPT
+given the recipe's sizes) and loaded at another tensor-parallel size: a checkpoint loaded by one and
+saved again by the other must equal the original in every model and optimizer tensor.
+
 Dropout is off. On CPU ranks the "CUDA" generator is the CPU one, and the resumed run's DataLoader draws
 its base seed from the CPU generator after the load restored it (the uninterrupted run drew it before
 the save), so dropout masks after a resume differ there; on GPUs dropout draws from the CUDA generator,
@@ -135,6 +139,44 @@ def pretrain(cfg: Any) -> Run:
     return run
 
 
+#: what the interchange tests compare: every model weight and every optimizer-state tensor
+MODEL_AND_OPTIMIZER = ("model.", "optimizer.state.")
+
+
+def model_and_optimizer(checkpoint: Path, iteration: int) -> dict[str, torch.Tensor]:
+    return {
+        k: v
+        for k, v in tensors(iteration_dir(checkpoint, iteration)).items()
+        if k.startswith(MODEL_AND_OPTIMIZER)
+    }
+
+
+def assert_same_model_and_optimizer(saved: Path, loaded_and_saved: Path) -> None:
+    """Every model weight and optimizer-state tensor of iteration ``SAVED_AT`` equal, bit for bit."""
+    expected = model_and_optimizer(saved, SAVED_AT)
+    assert any(key.endswith(".exp_avg") for key in expected), sorted(expected)
+    assert differences(expected, model_and_optimizer(loaded_and_saved, SAVED_AT)) == []
+
+
+def loaded_and_saved_by_bridge(load: Path, save: Path, case: Case = Case(), **model: Any) -> None:
+    """Bridge's ``pretrain()`` loads iteration ``SAVED_AT`` from ``load`` and saves what it loaded to
+    ``save`` (``train_iters`` at the saved step: it trains nothing, and its save at the end of training
+    writes that step; ``save_interval`` keeps the step off the interval); ``model``: fields of Bridge's
+    model config to change."""
+    cfg = config(
+        case,
+        train_iters=SAVED_AT,
+        load=str(load),
+        ckpt_step=SAVED_AT,
+        save=str(save),
+        save_interval=SAVED_AT + 1,
+    )
+    for name, value in model.items():
+        setattr(cfg.model, name, value)
+    run = pretrain(cfg)
+    assert run.losses == {}, run.losses  # loaded at its last iteration: nothing left to train
+
+
 @pytest.fixture(scope="module")
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One directory every rank writes to (rank 0's, its path broadcast)."""
@@ -212,20 +254,8 @@ def test_bridges_checkpoint_loads_at_another_tensor_parallel_size(uninterrupted,
     # Bridge builds Megatron's parallel state for tp=2 itself; the one an earlier test left is tp=1
     parallel.destroy_model_parallel()
     resaved = shared_dir / "bridge-at-tp2"
-    cfg = config(
-        case,
-        train_iters=SAVED_AT,
-        load=str(source),
-        ckpt_step=SAVED_AT,
-        save=str(resaved),
-        save_interval=SAVED_AT + 1,
-    )
-    cfg.model.tensor_model_parallel_size = 2
-    bridge = pretrain(cfg)
-    assert bridge.losses == {}, bridge.losses
-    saved = model_and_optimizer(whole_save, SAVED_AT)
-    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
-    assert differences(saved, model_and_optimizer(resaved, SAVED_AT)) == []
+    loaded_and_saved_by_bridge(source, resaved, case, tensor_model_parallel_size=2)
+    assert_same_model_and_optimizer(whole_save, resaved)
 
 
 def test_a_checkpoint_loaded_twice_in_one_process_resumes_at_its_own_step(uninterrupted, shared_dir, request):
@@ -241,18 +271,6 @@ def test_a_checkpoint_loaded_twice_in_one_process_resumes_at_its_own_step(uninte
     again = pretrain(config(case, load=str(source), ckpt_step=SAVED_AT))
     assert sorted(first.losses) == [3, 4], first.losses
     assert sorted(again.losses) == [3, 4], again.losses
-
-
-#: what the interchange tests compare: every model weight and every optimizer-state tensor
-MODEL_AND_OPTIMIZER = ("model.", "optimizer.state.")
-
-
-def model_and_optimizer(checkpoint: Path, iteration: int) -> dict[str, torch.Tensor]:
-    return {
-        k: v
-        for k, v in tensors(iteration_dir(checkpoint, iteration)).items()
-        if k.startswith(MODEL_AND_OPTIMIZER)
-    }
 
 
 def the_recipes_model_in_the_plugin(run_config: Any, case: Case) -> Any:
@@ -309,9 +327,7 @@ def test_bridges_checkpoint_loads_into_the_plugins_run(
     assert any(m.startswith("the checkpoint holds no data stream of this plugin") for m in said), said
     assert run.iteration == SAVED_AT
     save_checkpoint(run, checkpoint_dir)
-    saved = model_and_optimizer(bridges_checkpoint, SAVED_AT)
-    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
-    assert differences(saved, model_and_optimizer(checkpoint_dir, SAVED_AT)) == []
+    assert_same_model_and_optimizer(bridges_checkpoint, checkpoint_dir)
     losses = run.train(1).losses
     assert len(losses) == 1, losses
     assert math.isfinite(losses[0]), losses
@@ -328,22 +344,8 @@ def test_the_plugins_checkpoint_loads_into_bridges_run(
     run.train(SAVED_AT)
     save_checkpoint(run, checkpoint_dir)
     resaved = shared_dir / f"bridge-resaved-{case}"
-    # train_iters at the saved step: Bridge loads, trains nothing, and saves what it loaded (its
-    # save at the end of training; save_interval keeps the step off the interval)
-    bridge = pretrain(
-        config(
-            case,
-            train_iters=SAVED_AT,
-            load=str(checkpoint_dir),
-            ckpt_step=SAVED_AT,
-            save=str(resaved),
-            save_interval=SAVED_AT + 1,
-        )
-    )
-    assert bridge.losses == {}, bridge.losses
-    saved = model_and_optimizer(checkpoint_dir, SAVED_AT)
-    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
-    assert differences(saved, model_and_optimizer(resaved, SAVED_AT)) == []
+    loaded_and_saved_by_bridge(checkpoint_dir, resaved, case)
+    assert_same_model_and_optimizer(checkpoint_dir, resaved)
 
 
 @pytest.mark.parametrize("bridges_checkpoint", [Case()], ids=str, indirect=True)
@@ -376,9 +378,7 @@ def test_megatron_lms_loader_reads_bridges_checkpoint(
     assert loaded == SAVED_AT
     run.iteration = SAVED_AT
     save_checkpoint(run, checkpoint_dir)
-    saved = model_and_optimizer(bridges_checkpoint, SAVED_AT)
-    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
-    assert differences(saved, model_and_optimizer(checkpoint_dir, SAVED_AT)) == []
+    assert_same_model_and_optimizer(bridges_checkpoint, checkpoint_dir)
 
 
 def test_megatron_lms_checkpoint_loads_into_bridges_run(
@@ -394,20 +394,8 @@ def test_megatron_lms_checkpoint_loads_into_bridges_run(
     megatron_lm_save(run)
     forget_megatron_lm_args()
     resaved = shared_dir / "bridge-from-megatron-lm"
-    bridge = pretrain(
-        config(
-            Case(),
-            train_iters=SAVED_AT,
-            load=str(checkpoint_dir),
-            ckpt_step=SAVED_AT,
-            save=str(resaved),
-            save_interval=SAVED_AT + 1,
-        )
-    )
-    assert bridge.losses == {}, bridge.losses
-    saved = model_and_optimizer(checkpoint_dir, SAVED_AT)
-    assert any(key.endswith(".exp_avg") for key in saved), sorted(saved)
-    assert differences(saved, model_and_optimizer(resaved, SAVED_AT)) == []
+    loaded_and_saved_by_bridge(checkpoint_dir, resaved)
+    assert_same_model_and_optimizer(checkpoint_dir, resaved)
 
 
 def test_a_fully_shard_run_refuses_bridges_checkpoint_in_one_line(uninterrupted):
