@@ -445,14 +445,16 @@ def _inspect(
                 f"{shard} is truncated: {shard.stat().st_size} bytes, {metadata_path} needs at least {end}"
             )
     train_state_path = iter_dir / TRAIN_STATE_FILE
-    bridges: dict[str, Any] | None = None
+    # Unverified (no digests): read here once, to tell Bridge's own train state from this plugin's.
+    unverified: Any = None
     if found.manifest is None and train_state_path.exists():
         try:
-            bridges = _bridges_train_state(train_state_path)
+            unverified = torch.load(train_state_path, weights_only=True)
         except _FAILURES as exc:
             found.problems.append(f"{train_state_path} cannot be read ({_describe(exc)})")
             return found
-    if found.manifest is None and (bridges is not None or not train_state_path.exists()):
+    bridges_step = int(unverified["step"]) if _is_bridges_train_state(unverified) else None
+    if found.manifest is None and (bridges_step is not None or not train_state_path.exists()):
         try:
             found.train_state = without_file(iter_dir, found.metadata)
         except _FAILURES as exc:
@@ -461,23 +463,25 @@ def _inspect(
             return found
         if found.train_state is not None:
             saved = found.train_state["iteration"]
-            if bridges is not None and int(bridges["step"]) != saved:
-                step = int(bridges["step"])
-                found.problems.append(f"{train_state_path} says step {step}, {iter_dir}'s entries {saved}")
+            if bridges_step is not None and bridges_step != saved:
+                found.problems.append(
+                    f"{train_state_path} says step {bridges_step}, {iter_dir}'s entries {saved}"
+                )
             elif saved != iteration:
                 found.problems.append(f"{iter_dir} says iteration {saved!r}; expected {iteration}")
             return found
-        if bridges is not None:
-            step = int(bridges["step"])
+        if bridges_step is not None:
             found.problems.append(
-                f"{train_state_path} is Megatron-Bridge's train state (step {step}): {iter_dir} is a "
+                f"{train_state_path} is Megatron-Bridge's train state (step {bridges_step}): {iter_dir} is a "
                 f"Megatron-Bridge checkpoint, which this loader reads only into a megatron-core run and "
                 f"with Bridge's {BRIDGE_RUN_CONFIG_FILE} beside it; resume it with Megatron-Bridge "
                 "(checkpoint.load)"
             )
             return found
     try:
-        found.train_state = torch.load(train_state_path, weights_only=True)
+        found.train_state = (
+            unverified if unverified is not None else torch.load(train_state_path, weights_only=True)
+        )
         if found.train_state.get("iteration") != iteration or found.train_state.get("ckpt_format") != FORMAT:
             found.problems.append(
                 f"{train_state_path} says iteration {found.train_state.get('iteration')!r}, "
@@ -490,13 +494,10 @@ def _inspect(
     return found
 
 
-def _bridges_train_state(path: Path) -> dict[str, Any] | None:
-    """``path`` as Megatron-Bridge's own ``train_state.pt`` (Bridge's counters and nothing of this
-    plugin's); None for one this plugin wrote (Bridge's entries beside its own)."""
-    state = torch.load(path, weights_only=True)
-    if isinstance(state, dict) and state.keys() >= BRIDGE_TRAIN_STATE_KEYS and "ckpt_format" not in state:
-        return cast("dict[str, Any]", state)
-    return None
+def _is_bridges_train_state(state: Any) -> bool:
+    """Whether ``state`` is Megatron-Bridge's own ``train_state.pt`` (Bridge's counters and nothing of
+    this plugin's), not one this plugin wrote (Bridge's entries beside its own)."""
+    return isinstance(state, dict) and state.keys() >= BRIDGE_TRAIN_STATE_KEYS and "ckpt_format" not in state
 
 
 def checkpoint_problems(
